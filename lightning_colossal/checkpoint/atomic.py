@@ -1,0 +1,74 @@
+"""Atomic replacement of a checkpoint path by a fully written staging directory.
+
+[Note: atomic save]
+A save writes everything into a hidden staging directory next to the target (``.NAME.partial-<id>``). Only when
+every rank has finished writing does rank 0 commit: it renames an existing target aside (``.NAME.replaced-<id>``),
+renames the staging directory onto the target, syncs the parent directory, then deletes the old copy. A crash
+before the commit leaves the previous checkpoint untouched and a hidden partial directory that does not look like
+a checkpoint (its name is not the target's). A crash between the two renames leaves the previous checkpoint intact
+under the replaced name, and ``checkpoint_kind`` tells the user how to get it back. The next save into the same
+path removes leftovers of earlier interrupted saves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from lightning_colossal.checkpoint.layout import REPLACED_MARKER, STAGING_MARKER, leftovers_of_interrupted_save
+
+
+def staging_path(target: Path) -> Path:
+    """A fresh hidden sibling of ``target`` to write into."""
+    return target.parent / f".{target.name}{STAGING_MARKER}{uuid.uuid4().hex[:12]}"
+
+
+def remove_leftovers(target: Path) -> None:
+    """Delete staging/replaced copies of ``target`` left by interrupted saves (only the committing rank calls this)."""
+    for leftover in leftovers_of_interrupted_save(target):
+        _remove_path(leftover)
+
+
+def commit(staging: Path, target: Path) -> None:
+    """Make ``staging`` visible as ``target``, replacing whatever was there (see [Note: atomic save])."""
+    replaced: Path | None = None
+    if target.exists() or target.is_symlink():
+        replaced = target.parent / f".{target.name}{REPLACED_MARKER}{uuid.uuid4().hex[:12]}"
+        os.replace(target, replaced)
+    os.replace(staging, target)
+    fsync_directory(target.parent)
+    if replaced is not None:
+        _remove_path(replaced)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Persist renames inside ``directory`` (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def write_file_atomically(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(temporary, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

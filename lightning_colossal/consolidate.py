@@ -1,0 +1,59 @@
+"""Command line: turn a sharded lightning_colossal checkpoint directory into one file.
+
+Usage::
+
+    python -m lightning_colossal.consolidate CKPT_DIR OUT.safetensors            # weights, safetensors
+    python -m lightning_colossal.consolidate CKPT_DIR OUT.ckpt                   # full Lightning checkpoint
+    python -m lightning_colossal.consolidate CKPT_DIR OUT.pt --weights-only --strip-prefix model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_colossal.checkpoint.consolidate import consolidate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-colossal-consolidate",
+        description="Write a sharded lightning_colossal checkpoint directory as one file.",
+    )
+    parser.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. .../checkpoints/last.ckpt)")
+    parser.add_argument(
+        "output",
+        help="file to write: *.safetensors for weights in safetensors, anything else for a torch file",
+    )
+    parser.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="write only {name: tensor} instead of a full Lightning checkpoint (implied by .safetensors)",
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        default=None,
+        help="drop this prefix from parameter names, e.g. 'model.' for the wrapped model's own names",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    try:
+        written = consolidate(
+            arguments.checkpoint,
+            arguments.output,
+            weights_only=arguments.weights_only,
+            strip_prefix=arguments.strip_prefix,
+        )
+    except (FileNotFoundError, ValueError, IsADirectoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

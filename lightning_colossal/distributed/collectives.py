@@ -1,0 +1,137 @@
+"""Every collective call of lightning_colossal goes through this module.
+
+Keeping collectives in one place lets tests intercept them, keeps backend quirks (gloo vs NCCL) in one file, and
+makes the layering rule checkable: engines and strategies call these functions, never ``torch.distributed``
+collectives directly (see ``tests/unit/test_layering.py``).
+
+Every function is a no-op (or the identity) when no process group is initialised, so single-process code paths
+(unit tests, the consolidate command, ``devices=1`` runs) need no special cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup, ReduceOp
+
+T = TypeVar("T")
+
+_REDUCE_OPS: dict[str, ReduceOp.RedOpType] = {
+    "sum": ReduceOp.SUM,
+    "max": ReduceOp.MAX,
+    "min": ReduceOp.MIN,
+    "product": ReduceOp.PRODUCT,
+}
+_MEAN_NAMES = ("mean", "avg")
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: ProcessGroup | None = None) -> int:
+    """Size of ``group`` (the default group when ``None``); 1 without a process group."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def rank(group: ProcessGroup | None = None) -> int:
+    """Rank of this process in ``group``; 0 without a process group."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def _device_ids_for_barrier(group: ProcessGroup | None) -> list[int] | None:
+    # NCCL's barrier needs the device of this rank, or it guesses one and can hang on a wrong GPU.
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return [torch.cuda.current_device()]
+    return None
+
+
+def barrier(group: ProcessGroup | None = None) -> None:
+    """Block until every rank of ``group`` arrives."""
+    if not is_initialized():
+        return
+    device_ids = _device_ids_for_barrier(group)
+    if device_ids is None:
+        dist.barrier(group=group)
+    else:
+        dist.barrier(group=group, device_ids=device_ids)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce ``tensor`` in place and return it.
+
+    Args:
+        tensor: the tensor to reduce; integer tensors are allowed for sum/max/min.
+        op: ``"sum"``, ``"mean"``/``"avg"``, ``"max"``, ``"min"`` or ``"product"``.
+        group: the process group; the default group when ``None``.
+    """
+    name = op.lower()
+    if name not in _REDUCE_OPS and name not in _MEAN_NAMES:
+        raise ValueError(f"reduce op {op!r} is not supported: use one of sum, mean, max, min, product.")
+    if not is_initialized():
+        return tensor
+    if name in _MEAN_NAMES:
+        # gloo has no AVG; SUM then divide works on every backend and keeps integer inputs meaningful.
+        dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(world_size(group))
+        else:
+            tensor = tensor.double().div_(world_size(group))
+        return tensor
+    dist.all_reduce(tensor, op=_REDUCE_OPS[name], group=group)
+    return tensor
+
+
+def any_rank_true(
+    flag: bool | torch.Tensor, group: ProcessGroup | None = None, device: torch.device | None = None
+) -> bool:
+    """Return ``True`` if ``flag`` is true on any rank of ``group`` (one scalar MAX all-reduce)."""
+    if isinstance(flag, torch.Tensor):
+        value = flag.detach().reshape(-1)[:1].to(dtype=torch.float32)
+        if device is not None:
+            value = value.to(device)
+    else:
+        value = torch.tensor([1.0 if flag else 0.0], device=device)
+    all_reduce(value, op="max", group=group)
+    return bool(value.item() > 0)
+
+
+def broadcast_object(obj: T, source_rank: int = 0, group: ProcessGroup | None = None) -> T:
+    """Broadcast a picklable object from ``source_rank`` (a rank *within* ``group``) to every rank of ``group``."""
+    if not is_initialized():
+        return obj
+    container: list[Any] = [obj]
+    dist.broadcast_object_list(container, group_src=source_rank, group=group)
+    return container[0]
+
+
+def all_gather_objects(obj: T, group: ProcessGroup | None = None) -> list[T]:
+    """Gather a picklable object from every rank of ``group``, ordered by rank."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def all_gather_tensor(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, sync_grads: bool = False
+) -> torch.Tensor:
+    """Stack ``tensor`` from every rank of ``group`` into a new leading dimension.
+
+    Every rank must pass a tensor of the same shape. With ``sync_grads=True`` the gather is differentiable: the
+    backward pass sends each rank the gradient of its own slice (summed over ranks).
+    """
+    if not is_initialized():
+        return tensor.unsqueeze(0)
+    tensor = tensor.contiguous()
+    if sync_grads:
+        from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+        return torch.stack(differentiable_all_gather(tensor, group=group if group is not None else dist.group.WORLD))
+    gathered = [torch.empty_like(tensor) for _ in range(world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return torch.stack(gathered)

@@ -1,0 +1,78 @@
+"""Process topology: how the world is split into pipeline, data, sequence and tensor parallel axes.
+
+One ``DeviceMesh`` with named axes (``pp``, ``dp``, ``sp``, ``tp``, outermost first) owns every process group.
+Tensor parallelism is innermost because its collectives are the most frequent and should stay inside a node;
+pipeline parallelism is outermost because it only sends activations between neighbours. Strategies pass the mesh
+(or a sub-mesh) to engines explicitly; nothing here is global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES: tuple[str, ...] = ("pp", "dp", "sp", "tp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelDims:
+    """Sizes of the parallel axes; their product must equal the world size.
+
+    Args:
+        world_size: total number of processes.
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        sp: sequence-parallel size (Ulysses all-to-all axis).
+        dp: data-parallel size, or ``None`` to take whatever is left: ``world_size / (tp * pp * sp)``.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    dp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size}: need at least one process.")
+        for axis in ("tp", "pp", "sp"):
+            size = getattr(self, axis)
+            if size < 1:
+                raise ValueError(f"{axis}_size={size}: pass an integer >= 1.")
+        model_parallel = self.tp * self.pp * self.sp
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"tp_size * pp_size * sp_size = {self.tp} * {self.pp} * {self.sp} = {model_parallel} does not divide"
+                f" the world size {self.world_size}: choose sizes whose product divides {self.world_size}, or change"
+                " the number of devices/nodes."
+            )
+        derived_dp = self.world_size // model_parallel
+        if self.dp is None:
+            object.__setattr__(self, "dp", derived_dp)
+        elif self.dp != derived_dp:
+            raise ValueError(
+                f"dp_size={self.dp} but world_size / (tp * pp * sp) = {self.world_size} / {model_parallel} ="
+                f" {derived_dp}: leave dp_size unset or make the product of all sizes equal the world size."
+            )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The number of data-parallel replicas (``dp``)."""
+        assert self.dp is not None
+        return self.dp
+
+    def axis_sizes(self) -> dict[str, int]:
+        """Sizes by axis name in mesh order (outermost first)."""
+        return {"pp": self.pp, "dp": self.data_parallel_size, "sp": self.sp, "tp": self.tp}
+
+
+def build_device_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+    """Create the ``DeviceMesh`` for ``dims`` on the device type of ``device``.
+
+    Every rank must call this collectively (creating sub-groups is a collective operation). Axes of size 1 are
+    kept so code can always ask for ``mesh["dp"]`` and friends.
+    """
+    sizes = dims.axis_sizes()
+    return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes.keys()))

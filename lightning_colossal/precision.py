@@ -1,0 +1,314 @@
+"""The one precision plugin every lightning_colossal strategy uses.
+
+``ColossalPrecision`` handles ``32-true``, ``bf16-mixed`` (autocast), ``bf16-true`` (bf16 weights and compute)
+and ``16-mixed`` (fp16 autocast with the dynamic loss scaler below). Lightning hands custom strategies *generic*
+plugins (``Precision``, ``MixedPrecision``, ``HalfPrecision``); ``to_colossal_precision`` translates those so that
+``Trainer(precision=...)`` always reaches us and is never silently ignored.
+
+[Note: overflow is global]
+With sharded gradients each rank sees only part of the gradient, so an inf/nan may exist on one rank only. The
+overflow flag is therefore all-reduced (MAX) over the strategy's process group before deciding to skip a step,
+so every rank skips the same step and the replicas never diverge. It costs one scalar collective per step.
+
+[Note: clipping belongs to the engine]
+Lightning clips through the precision plugin and only passes the optimizer. A sharded engine must compute the
+norm over all shards, so the strategy installs a ``GradientClipper`` on the plugin; the default clips the local
+gradients, which is exact when every rank holds the full, already-reduced gradients (DDP).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable
+from contextlib import contextmanager, nullcontext
+from typing import Any, Protocol
+
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision.amp import MixedPrecision
+from lightning.pytorch.plugins.precision.double import DoublePrecision
+from lightning.pytorch.plugins.precision.half import HalfPrecision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from lightning_colossal.config import LossScalerConfig, PrecisionName, validate_precision
+from lightning_colossal.distributed import collectives
+
+
+class DynamicLossScaler:
+    """Dynamic loss scale for fp16 training, with hysteresis (ColossalAI semantics, see ``LossScalerConfig``)."""
+
+    def __init__(self, config: LossScalerConfig | None = None) -> None:
+        self.config = config or LossScalerConfig()
+        self.scale = float(self.config.initial_scale)
+        self.clean_steps = 0
+        self.overflows_since_growth = 0
+        self.skipped_steps = 0
+
+    def update(self, found_overflow: bool) -> None:
+        """Advance the scale after a step; ``found_overflow`` must already agree on every rank."""
+        config = self.config
+        if found_overflow:
+            self.skipped_steps += 1
+            self.clean_steps = 0
+            self.overflows_since_growth += 1
+            if self.overflows_since_growth >= config.hysteresis:
+                self.scale = max(self.scale * config.backoff_factor, config.min_scale)
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= config.growth_interval:
+            self.scale = min(self.scale * config.growth_factor, config.max_scale)
+            self.clean_steps = 0
+            self.overflows_since_growth = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "overflows_since_growth": self.overflows_since_growth,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.overflows_since_growth = int(state["overflows_since_growth"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class GradientClipper(Protocol):
+    """Clips the gradients an optimizer will step on (see [Note: clipping belongs to the engine])."""
+
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor: ...
+
+    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None: ...
+
+
+def optimizer_gradients(optimizer: Optimizer) -> list[Tensor]:
+    """The gradients of every parameter of ``optimizer`` that has one."""
+    return [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+
+
+class LocalGradientClipper:
+    """Clips the gradients held by this rank; exact when every rank holds the full reduced gradients (DDP)."""
+
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        parameters = [param for group in optimizer.param_groups for param in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
+        parameters = [param for group in optimizer.param_groups for param in group["params"]]
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+
+class ColossalPrecision(Precision):
+    """Precision plugin shared by all lightning_colossal strategies.
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
+        loss_scaler: dynamic loss scaling settings, used only by ``"16-mixed"``.
+        device_type: device type for autocast; the strategy sets it from its root device during setup.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "32-true",
+        loss_scaler: LossScalerConfig | None = None,
+        device_type: str = "cpu",
+    ) -> None:
+        self.precision = validate_precision(precision)  # type: ignore[assignment]
+        self.device_type = device_type
+        self.loss_scaler: DynamicLossScaler | None = None
+        if self.precision == "16-mixed":
+            self.loss_scaler = DynamicLossScaler(loss_scaler)
+        self.gradient_clipper: GradientClipper = LocalGradientClipper()
+        self.process_group: ProcessGroup | None = None
+        # Filled by every optimizer_step: whether the last step was skipped because of an overflow.
+        self.last_step_skipped = False
+
+    # ------------------------------------------------------------------------------------------ dtypes and contexts
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matrix multiplications run in."""
+        return {"32-true": torch.float32, "16-mixed": torch.float16}.get(self.precision, torch.bfloat16)
+
+    @property
+    def parameter_dtype(self) -> torch.dtype:
+        """The dtype the model's parameters are stored in."""
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision in ("bf16-mixed", "16-mixed")
+
+    def _default_dtype_context(self) -> Any:
+        if self.precision != "bf16-true":
+            return nullcontext()
+        return _default_dtype(torch.bfloat16)
+
+    def tensor_init_context(self) -> Any:
+        return self._default_dtype_context()
+
+    def module_init_context(self) -> Any:
+        return self._default_dtype_context()
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.is_mixed:
+            # cache_enabled=False: the autocast weight cache would keep stale casts alive across optimizer steps.
+            with torch.autocast(self.device_type, dtype=self.compute_dtype, cache_enabled=False):
+                yield
+        else:
+            with self._default_dtype_context():
+                yield
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.precision == "bf16-true":
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, Tensor, _cast_floating, torch.bfloat16)
+
+    def convert_output(self, data: Any) -> Any:
+        if self.precision != "bf16-true":
+            return data
+        return apply_to_collection(data, Tensor, _cast_floating, torch.get_default_dtype())
+
+    # ------------------------------------------------------------------------------------------ loss scaling
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.loss_scaler is not None:
+            tensor = tensor * self.loss_scaler.scale
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        self.last_step_skipped = False
+        if self.loss_scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        automatic = getattr(model, "automatic_optimization", True)
+        skipped_backward = closure_result is None and automatic
+        if skipped_backward:
+            # training_step returned None: no backward ran, nothing to unscale or step.
+            self._after_closure(model, optimizer)
+            return closure_result
+        found_overflow = self.unscale_and_check(optimizer)  # type: ignore[arg-type]
+        # Callbacks and clipping see unscaled gradients, as with torch's GradScaler.
+        self._after_closure(model, optimizer)
+        self.loss_scaler.update(found_overflow)
+        if found_overflow:
+            self.last_step_skipped = True
+            return closure_result
+        return optimizer.step(**kwargs)
+
+    def unscale_and_check(self, optimizer: Optimizer) -> bool:
+        """Divide every gradient by the loss scale and report an inf/nan on any rank (see [Note: overflow is global])."""
+        assert self.loss_scaler is not None
+        gradients = optimizer_gradients(optimizer)
+        device = gradients[0].device if gradients else torch.device(self.device_type)
+        found_overflow = torch.zeros(1, device=device)
+        if gradients:
+            inverse_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, device=device)
+            for group in _group_by_device_and_dtype(gradients):
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found_overflow, inverse_scale)
+        return collectives.any_rank_true(found_overflow, group=self.process_group)
+
+    # ------------------------------------------------------------------------------------------ clipping
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.gradient_clipper.clip_by_value(optimizer, float(clip_val))
+        elif gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+            self.gradient_clipper.clip_by_norm(optimizer, float(clip_val))
+        else:
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r}: use 'norm' or 'value'.")
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        if self.loss_scaler is None:
+            return {}
+        return {"loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.loss_scaler is not None and "loss_scaler" in state_dict:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+def to_colossal_precision(plugin: Precision | None, loss_scaler: LossScalerConfig | None = None) -> ColossalPrecision:
+    """Translate whatever precision plugin Lightning handed over into a ``ColossalPrecision``.
+
+    Raises:
+        ValueError: the plugin asks for a precision lightning_colossal does not train in.
+        TypeError: the plugin is a specialised one (quantisation, transformer-engine, another strategy's) that
+            cannot be translated without losing what it does.
+    """
+    if plugin is None:
+        return ColossalPrecision("32-true", loss_scaler)
+    if isinstance(plugin, ColossalPrecision):
+        return plugin
+    if isinstance(plugin, MixedPrecision):
+        if plugin.precision == "16-mixed" and plugin.scaler is not None and not _is_default_grad_scaler(plugin.scaler):
+            raise TypeError(
+                "A custom torch GradScaler was passed through MixedPrecision; lightning_colossal uses its own loss"
+                " scaler. Pass its settings as `ColossalPrecision('16-mixed', loss_scaler=LossScalerConfig(...))` in"
+                " `Trainer(plugins=[...])` or as the strategy's `loss_scaler=` argument."
+            )
+        return ColossalPrecision(plugin.precision, loss_scaler, device_type=str(plugin.device))  # type: ignore[arg-type]
+    if isinstance(plugin, HalfPrecision):
+        return ColossalPrecision(validate_precision(plugin.precision), loss_scaler)
+    if isinstance(plugin, DoublePrecision):
+        validate_precision("64-true")
+    if type(plugin) is Precision:
+        return ColossalPrecision(validate_precision(plugin.precision), loss_scaler)
+    raise TypeError(
+        f"The precision plugin {type(plugin).__name__} cannot be used with lightning_colossal strategies. Pass"
+        " `Trainer(precision=...)` with one of '32-true', 'bf16-mixed', 'bf16-true', '16-mixed', or a"
+        " `lightning_colossal.ColossalPrecision` in `Trainer(plugins=[...])`."
+    )
+
+
+def _is_default_grad_scaler(scaler: Any) -> bool:
+    # Lightning builds a default GradScaler for "16-mixed"; that one carries no user intent and is safe to replace.
+    defaults = {"_init_scale": 2.0**16, "_growth_factor": 2.0, "_backoff_factor": 0.5, "_growth_interval": 2000}
+    return isinstance(scaler, torch.amp.GradScaler) and all(
+        getattr(scaler, name, value) == value for name, value in defaults.items()
+    )
+
+
+def _cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
+
+
+def _group_by_device_and_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
+    # The fused unscale kernel needs one device and dtype per call.
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,8 @@
+"""Thin Lightning adapters over the engines; the only package that wires engines into Lightning's Trainer."""
+
+from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.ddp import ColossalDDPStrategy
+
+ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy,)
+
+__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalStrategy"]

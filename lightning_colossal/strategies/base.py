@@ -1,0 +1,437 @@
+"""The Lightning strategy base shared by every lightning_colossal mode.
+
+It owns what all modes have in common: process-group setup with a collective timeout, the device mesh, Lightning's
+launchers (popen for scripts/torchrun/SLURM, spawn, fork for notebooks), the distributed sampler, collectives for
+``self.log(sync_dist=True)``, the precision plugin translation, string-name registration and the portable
+checkpoint format. A mode subclasses it and fills in four hooks: ``_wrap_model`` / ``_unwrap_model`` (engine set-up
+and tear-down), ``model_state_for_checkpoint`` and ``_load_full_model_state`` (how its weights map to names).
+
+[Note: who loads checkpoints]
+Sharded strategies must load into the *wrapped* model and the *real* optimizers, so ``restore_checkpoint_after_setup``
+is True and ``load_checkpoint`` itself fills weights, optimizer state and RNG state in place (DCP reshards on the way).
+Lightning's ``load_model_state_dict`` / ``load_optimizer_state_dict`` are then no-ops; Lightning still restores loops,
+callbacks, LR schedulers and the precision plugin (loss scaler) from the entries ``load_checkpoint`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.cloud_io import _load as lightning_load
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_colossal.checkpoint.layout import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    MODEL_KEY,
+    RNG_KEY,
+    CheckpointKind,
+    checkpoint_kind,
+    optimizer_key,
+    rng_key,
+)
+from lightning_colossal.checkpoint.optimizer_state import rekey_by_name
+from lightning_colossal.checkpoint.sharded import load_metadata, load_sharded, save_sharded, saved_keys
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    LossScalerConfig,
+    StartMethod,
+    validate_start_method,
+)
+from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
+from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
+
+
+class ColossalStrategy(ParallelStrategy):
+    """Base of every lightning_colossal strategy; not registered itself.
+
+    Args:
+        accelerator: the accelerator (normally chosen by the ``Trainer``).
+        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
+        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: how long a collective may wait before failing instead of hanging.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+    """
+
+    #: Registered string name of the strategy (``*_notebook`` is registered too, with ``start_method="fork"``).
+    strategy_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        start_method: StartMethod = "popen",
+        loss_scaler: LossScalerConfig | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=None,
+            precision_plugin=None,
+        )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = validate_start_method(start_method)
+        self._loss_scaler_config = loss_scaler
+        self._num_nodes = 1
+        self._device_mesh: DeviceMesh | None = None
+        self._parallel_dims: ParallelDims | None = None
+        # The plugin used when Lightning never hands one over (e.g. the strategy used outside a Trainer).
+        self._fallback_precision = ColossalPrecision("32-true", loss_scaler)
+
+    # ---------------------------------------------------------------------------------------------- properties
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning adds the DistributedSampler and makes sync_dist reduce only when this is True.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None, "parallel_devices are set by the Trainer before use"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh of all parallel axes (``pp``, ``dp``, ``sp``, ``tp``); exists after ``setup_environment``."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "The device mesh exists only after the Trainer set up the processes (in or after `setup`)."
+            )
+        return self._device_mesh
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        if self._parallel_dims is None:
+            raise RuntimeError("Parallel sizes are known only after the Trainer set up the processes.")
+        return self._parallel_dims
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks that hold the same data-parallel replica (tensor/sequence/pipeline peers) must read the same batches.
+        data_parallel = self.device_mesh["dp"]
+        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # ---------------------------------------------------------------------------------------------- precision
+    @property
+    def precision_plugin(self) -> ColossalPrecision:  # type: ignore[override]
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ColossalPrecision) else self._fallback_precision
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # None must stay None: Lightning treats a plugin already on the strategy as the user's choice and would then
+        # ignore Trainer(precision=...). Anything else is translated (never silently dropped).
+        self._precision_plugin = (
+            None if plugin is None else to_colossal_precision(plugin, getattr(self, "_loss_scaler_config", None))
+        )
+
+    # ---------------------------------------------------------------------------------------------- processes
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        self._validate_devices()
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._validate_world_size()
+        self._parallel_dims = self._build_parallel_dims()
+        self._device_mesh = build_device_mesh(self._parallel_dims, self.root_device)
+        if self.lightning_module is not None:
+            # LightningModule.device_mesh: lets configure_model() parallelise against our mesh.
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def _build_parallel_dims(self) -> ParallelDims:
+        """The parallel layout of this mode; data parallel over every rank unless a subclass says otherwise."""
+        return ParallelDims(world_size=self.world_size)
+
+    def _validate_devices(self) -> None:
+        assert self.parallel_devices is not None
+        if self.local_rank >= len(self.parallel_devices):
+            raise ValueError(
+                f"This process has local rank {self.local_rank} but the Trainer was given {len(self.parallel_devices)}"
+                " device(s) per node: set `Trainer(devices=...)` to the number of processes per node that your"
+                " launcher (torchrun --nproc-per-node, SLURM --ntasks-per-node) starts."
+            )
+        device = self.root_device
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"Trainer(devices={len(self.parallel_devices)}) asks for GPU {device.index} but this machine has"
+                f" {torch.cuda.device_count()}: pass `devices` <= {torch.cuda.device_count()}."
+            )
+
+    def _validate_world_size(self) -> None:
+        actual = collectives.world_size()
+        if actual != self.world_size:
+            raise ValueError(
+                f"The process group has {actual} processes but the Trainer expects num_nodes * devices ="
+                f" {self.num_nodes} * {self.num_processes} = {self.world_size}: make `Trainer(devices=..., num_nodes=...)`"
+                " match the number of processes you launched."
+            )
+
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        plugin = self.precision_plugin
+        plugin.device_type = self.root_device.type
+        plugin.process_group = None  # every rank takes part in the overflow vote (see precision.py)
+
+    # ---------------------------------------------------------------------------------------------- collectives
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = reduce_op if isinstance(reduce_op, str) else _reduce_op_name(reduce_op)
+        return collectives.all_reduce(tensor.clone(), op=op or "mean", group=group)
+
+    def barrier(self, name: str | None = None) -> None:
+        collectives.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast_object(obj, source_rank=src)
+
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return collectives.all_gather_tensor(tensor, group=group, sync_grads=sync_grads)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---------------------------------------------------------------------------------------------- registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``strategy_name`` (popen) and ``strategy_name + "_notebook"`` (fork), once per process."""
+        for name, init_params in cls.registry_entries():
+            for suffix, start_method in (("", "popen"), ("_notebook", "fork")):
+                full_name = name + suffix
+                if full_name in strategy_registry:
+                    continue  # importing lightning_colossal twice (or in every popen child) must be harmless
+                strategy_registry.register(
+                    full_name,
+                    cls,
+                    description=f"lightning_colossal {cls.__name__} ({start_method} launcher)",
+                    start_method=start_method,
+                    **init_params,
+                )
+
+    @classmethod
+    def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
+        """Names this class is registered under, with the constructor arguments each name implies."""
+        return [(cls.strategy_name, {})] if cls.strategy_name else []
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def model_state_for_checkpoint(self) -> dict[str, Any]:
+        """This rank's model tensors by LightningModule parameter name (full, or shards the engine describes).
+
+        Loading fills these same tensors in place, so they must alias the live parameters.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must say how its weights map to names.")
+
+    def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        """Load full (unsharded) weights by name into the live, set-up model."""
+        raise NotImplementedError(f"{type(self).__name__} must say how to load full weights.")
+
+    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The name-keyed state of ``optimizer`` (initialised if it never stepped); tensors alias the live state."""
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer))
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        assert self.lightning_module is not None
+        set_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer), state)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.model_state_for_checkpoint()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.optimizer_names_and_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done by load_checkpoint, see [Note: who loads checkpoints]
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done by load_checkpoint, see [Note: who loads checkpoints]
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: lightning_colossal writes"
+                " its own sharded format. Drop storage_options."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        tensor_state: dict[str, Any] = {MODEL_KEY: checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        for index, state in enumerate(optimizer_states or []):
+            tensor_state[optimizer_key(index)] = state
+        tensor_state[RNG_KEY] = {rng_key(self.global_rank): _collect_rng_states(include_cuda=torch.cuda.is_available())}
+        checkpoint[FORMAT_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "num_optimizers": len(optimizer_states or []),
+            "parallel_dims": self.parallel_dims.axis_sizes() if self._parallel_dims is not None else None,
+        }
+        save_sharded(path, tensor_state, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        strict = self.lightning_module.strict_loading
+        if checkpoint_kind(path) is CheckpointKind.SHARDED:
+            return self._load_sharded_checkpoint(path, weights_only, fitting, strict)
+        return self._load_full_checkpoint(path, weights_only, fitting, strict)
+
+    def _load_sharded_checkpoint(
+        self, path: Path, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        available = saved_keys(path)
+        model_state = self.model_state_for_checkpoint()
+        _check_model_keys(path, {f"{MODEL_KEY}.{name}" for name in model_state}, available, strict)
+        metadata = load_metadata(path, weights_only)
+        tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
+        optimizers = self.optimizers if fitting else []
+        if optimizers:
+            saved_count = metadata.get(FORMAT_KEY, {}).get("num_optimizers", 0)
+            _check_optimizer_count(path, saved_count, len(optimizers))
+            for index, optimizer in enumerate(optimizers):
+                tensor_state[optimizer_key(index)] = self.optimizer_names_and_state(optimizer)
+        own_rng = rng_key(self.global_rank)
+        restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
+        if restores_rng:
+            tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
+        load_sharded(path, tensor_state, allow_partial=not strict)
+        for index, optimizer in enumerate(optimizers):
+            self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])
+        if restores_rng:
+            _set_rng_states(tensor_state[RNG_KEY][own_rng])
+        elif fitting:
+            rank_zero_warn(
+                f"{path} was saved at world size {metadata.get(FORMAT_KEY, {}).get('world_size')} and holds no random"
+                " state for some ranks of this run: those ranks continue from their seeded random state."
+            )
+        return metadata
+
+    def _load_full_checkpoint(
+        self, path: Path, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        checkpoint = lightning_load(path, map_location="cpu", weights_only=weights_only)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(
+                f"{path} is not a Lightning checkpoint (it has no 'state_dict' entry). To start from plain weights,"
+                " load them in `configure_model` or with `LightningModule.load_state_dict` before `fit`, and pass no"
+                " ckpt_path."
+            )
+        self._load_full_model_state(checkpoint.pop("state_dict"), strict)
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        optimizers = self.optimizers if fitting else []
+        if optimizers:
+            _check_optimizer_count(path, len(optimizer_states or []), len(optimizers))
+            for optimizer, saved in zip(optimizers, optimizer_states or [], strict=True):
+                names = [group["params"] for group in self.optimizer_names_and_state(optimizer)["param_groups"]]
+                self._load_optimizer_state(optimizer, rekey_by_name(saved, names))
+        return checkpoint
+
+
+def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _reduce_op_name(reduce_op: Any) -> str | None:
+    if reduce_op is None:
+        return None
+    name = str(reduce_op).split(".")[-1].lower()
+    return {"avg": "mean", "sum": "sum", "max": "max", "min": "min", "product": "product"}.get(name, name)
+
+
+def _check_model_keys(path: Path, expected: set[str], available: set[str], strict: bool) -> None:
+    saved_model_keys = {key for key in available if key.startswith(f"{MODEL_KEY}.")}
+    missing = sorted(expected - saved_model_keys)
+    unexpected = sorted(saved_model_keys - expected)
+    if not saved_model_keys:
+        raise ValueError(f"{path} holds no model weights: it is not a lightning_colossal training checkpoint.")
+    if strict and (missing or unexpected):
+        prefix = len(MODEL_KEY) + 1
+        raise RuntimeError(
+            f"Error loading {path}: missing keys {[key[prefix:] for key in missing[:10]]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {[key[prefix:] for key in unexpected[:10]]}"
+            f"{' ...' if len(unexpected) > 10 else ''}. The model differs from the one that was saved; set"
+            " `self.strict_loading = False` in your LightningModule to load the matching weights only."
+        )
+
+
+def _check_optimizer_count(path: Path, saved: int, expected: int) -> None:
+    if saved == 0:
+        raise KeyError(
+            f"{path} holds no optimizer state (saved with weights_only=True?), so training cannot resume from it. Load"
+            " the weights with `LightningModule.load_state_dict` (or consolidate the checkpoint first) and call"
+            " `fit` without ckpt_path."
+        )
+    if saved != expected:
+        raise ValueError(
+            f"{path} holds {saved} optimizer(s) but `configure_optimizers` returned {expected}: return the same"
+            " optimizers as the run that saved the checkpoint."
+        )

@@ -1,0 +1,153 @@
+"""``colossal_ddp``: torch ``DistributedDataParallel`` with lightning_colossal's precision and checkpoints.
+
+Every rank holds the full model and optimizer, so gradients after DDP's all-reduce are the global ones: clipping
+by norm or value is exact locally, and checkpoints write full tensors that DCP spreads over the ranks. Gradient
+accumulation communicates only on the last micro-batch: Lightning wraps the other micro-batches in
+``block_backward_sync()``, which enters DDP's ``no_sync()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DDPConfig,
+    GradientCompression,
+    LossScalerConfig,
+    StartMethod,
+)
+from lightning_colossal.strategies.base import ColossalStrategy
+
+
+class ColossalDDPStrategy(ColossalStrategy):
+    """Data parallelism with torch DDP; registered as ``colossal_ddp`` and ``colossal_ddp_notebook``.
+
+    Args:
+        bucket_cap_mb: gradient bucket size in MiB.
+        gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient copy less).
+        static_graph: the set of used parameters never changes between steps.
+        find_unused_parameters: search for parameters without gradient every step (needed when some are unused).
+        broadcast_buffers: broadcast buffers from rank 0 before every forward.
+        gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision.
+        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
+        cluster_environment: see ``ColossalStrategy``.
+    """
+
+    strategy_name = "colossal_ddp"
+
+    def __init__(
+        self,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        broadcast_buffers: bool = True,
+        gradient_compression: GradientCompression | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        start_method: StartMethod = "popen",
+        loss_scaler: LossScalerConfig | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            loss_scaler=loss_scaler,
+        )
+        self.ddp_config = DDPConfig(
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            broadcast_buffers=broadcast_buffers,
+            gradient_compression=gradient_compression,
+        )
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.model = self._wrap(self.model)
+            # Optimizers are created after wrapping so they hold the parameters DDP registered its hooks on.
+            self.setup_optimizers(trainer)
+        else:
+            # Without the DDP wrapper nothing broadcasts rank 0's weights; do it once so every rank evaluates the same model.
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        config = self.ddp_config
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        wrapped = DistributedDataParallel(
+            module,
+            device_ids=device_ids,
+            bucket_cap_mb=config.bucket_cap_mb,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+            static_graph=config.static_graph,
+            find_unused_parameters=config.find_unused_parameters,
+            broadcast_buffers=config.broadcast_buffers,
+        )
+        if config.gradient_compression is not None:
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            # state=None: the hook all-reduces over DDP's own process group (the data-parallel ranks).
+            wrapped.register_comm_hook(state=None, hook=hook[config.gradient_compression])
+        return wrapped
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # Manual optimization bypasses DDP's forward bookkeeping; tell the reducer which outputs backward will use.
+        if isinstance(self.model, DistributedDataParallel):
+            assert self.lightning_module is not None
+            if not self.lightning_module.automatic_optimization:
+                prepare_for_backward(self.model, closure_loss)
+
+    def on_exception(self, exception: BaseException) -> None:
+        message = str(exception)
+        if "Expected to have finished reduction in the prior iteration" in message:
+            exception.args = (
+                message
+                + "\nSome parameters got no gradient in this step. Pass `ColossalDDPStrategy(find_unused_parameters=True)`"
+                " (or static_graph=True if the unused set never changes).",
+            )
+
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        super().teardown()
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def model_state_for_checkpoint(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        # state_dict() tensors alias the parameters, so DCP loads straight into the live model.
+        return self.lightning_module.state_dict()
+
+    def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(state_dict, strict=strict)
