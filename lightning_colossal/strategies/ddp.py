@@ -19,7 +19,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_colossal.config import (
@@ -29,6 +28,7 @@ from lightning_colossal.config import (
     LossScalerConfig,
     StartMethod,
 )
+from lightning_colossal.distributed.compression import compressed_all_reduce_hook
 from lightning_colossal.strategies.base import ColossalStrategy
 
 
@@ -116,9 +116,9 @@ class ColossalDDPStrategy(ColossalStrategy):
             broadcast_buffers=config.broadcast_buffers,
         )
         if config.gradient_compression is not None:
-            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.gradient_compression]
             # state=None: the hook all-reduces over DDP's own process group (the data-parallel ranks).
-            wrapped.register_comm_hook(state=None, hook=hook[config.gradient_compression])
+            wrapped.register_comm_hook(state=None, hook=compressed_all_reduce_hook(dtype))
         return wrapped
 
     def pre_backward(self, closure_loss: Tensor) -> None:
