@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 
 from lightning_colossal.checkpoint import atomic
 from lightning_colossal.checkpoint.layout import META_FILENAME
@@ -51,10 +51,16 @@ def save_sharded(
             torch.save(metadata, buffer)
             atomic.write_file_atomically(staging / META_FILENAME, buffer.getvalue())
             atomic.commit(staging, target)
-    except BaseException:
+    except BaseException as error:
         # DCP raises on every rank when any rank fails to write; leave no staging directory behind.
         if is_writer_of_metadata:
             atomic.remove_leftovers(target)
+        if isinstance(error, CheckpointException):
+            # CheckpointException derives from BaseException and would slip past `except Exception` handlers.
+            raise RuntimeError(
+                f"Saving the checkpoint {target} failed on ranks {sorted(error.failures)}; whatever was at that path"
+                f" before is intact. First failure: {next(iter(error.failures.values()))!r}"
+            ) from error
         raise
     collectives.barrier(group)
 

@@ -1,0 +1,5 @@
+"""User-facing monitoring callbacks."""
+
+from lightning_colossal.callbacks.throughput import TokenThroughput
+
+__all__ = ["TokenThroughput"]

@@ -1,0 +1,243 @@
+"""Portable checkpoints through Lightning: save, resume at the same and another world size, plain files, crashes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
+from lightning_colossal.checkpoint import consolidate
+from lightning_colossal.checkpoint.layout import leftovers_of_interrupted_save
+from tests.distributed.oracle import float_state, new_module, quiet_trainer
+
+STEPS_PER_EPOCH_AT_2_RANKS = 8  # 64 samples / (2 ranks * batch 4)
+
+
+def _fit(
+    epochs: int,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    strategy: Any = None,
+    batch_size: int = 4,
+    dropout: float = 0.1,
+    callbacks: list[Any] | None = None,
+    plugins: list[Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    world_size = torch.distributed.get_world_size()
+    module = new_module(batch_size=batch_size, dropout=dropout, with_scheduler=True)
+    trainer = quiet_trainer(
+        strategy=strategy if strategy is not None else ColossalDDPStrategy(),
+        devices=world_size,
+        max_epochs=epochs,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+        plugins=plugins,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return float_state(module)
+
+
+def uninterrupted_body(dropout: float) -> dict[str, torch.Tensor]:
+    return _fit(epochs=2, dropout=dropout)
+
+
+def save_after_one_epoch_body(
+    path: str, strategy_name: str = "colossal_ddp", dropout: float = 0.1
+) -> dict[str, torch.Tensor]:
+    strategy = ColossalDDPStrategy() if strategy_name == "colossal_ddp" else strategy_name
+    return _fit(epochs=1, save_to=path, strategy=strategy, dropout=dropout)
+
+
+def resume_body(path: str, batch_size: int = 4, dropout: float = 0.1) -> dict[str, torch.Tensor]:
+    return _fit(epochs=2, ckpt_path=path, batch_size=batch_size, dropout=dropout)
+
+
+def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path):
+    reference = rank_pool_2.run(uninterrupted_body, 0.1)
+    path = str(tmp_path / "epoch1.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, path)
+    assert (Path(path) / "meta.pt").is_file()
+    assert len(list(Path(path).glob("*.distcp"))) == 2, "each rank writes its own piece"
+    resumed = rank_pool_2.run(resume_body, path)
+    for rank in range(2):
+        # Same processes, same order of operations, RNG (dropout), sampler epoch and LR schedule restored: exact.
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=0, atol=0)
+
+
+def test_resume_at_one_rank_continues_the_same_training(rank_pool_2, rank_pool_1, tmp_path):
+    reference = rank_pool_2.run(uninterrupted_body, 0.0)[0]
+    path = str(tmp_path / "epoch1.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, path, "colossal_ddp", 0.0)
+    # One rank with twice the per-rank batch sees the same global batches (same shuffled order, same sets).
+    resumed = rank_pool_1.run(resume_body, path, 8, 0.0)[0]
+    torch.testing.assert_close(resumed, reference, rtol=1e-5, atol=1e-6)
+    moved = max((resumed[name] - reference[name]).abs().max().item() for name in reference)
+    assert moved < 1e-5
+
+
+def model_checkpoint_body(directory: str) -> list[str]:
+    callback = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3, save_top_k=-1)
+    _fit(epochs=1, callbacks=[callback])
+    return sorted(path.name for path in Path(directory).iterdir())
+
+
+def test_model_checkpoint_callback_writes_sharded_directories(rank_pool_2, tmp_path):
+    names = rank_pool_2.run(model_checkpoint_body, str(tmp_path))[0]
+    assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    reference = rank_pool_2.run(uninterrupted_body, 0.1)
+    # Resuming from a mid-epoch checkpoint runs; Lightning restarts the epoch's data, so only check it trains on.
+    resumed = rank_pool_2.run(resume_body, str(tmp_path / "last.ckpt"))
+    assert set(resumed[0]) == set(reference[0])
+
+
+def test_plain_lightning_checkpoint_loads_into_colossal_ddp(rank_pool_2, tmp_path):
+    reference = rank_pool_2.run(uninterrupted_body, 0.1)
+    plain = str(tmp_path / "plain.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, plain, "ddp")
+    assert Path(plain).is_file(), "Lightning's own ddp writes one file"
+    resumed = rank_pool_2.run(resume_body, plain)
+    # The RNG state is per-process and not in plain files; dropout then differs, so compare with dropout off too.
+    assert set(resumed[0]) == set(reference[0])
+    reference_no_dropout = rank_pool_2.run(uninterrupted_body, 0.0)
+    plain_no_dropout = str(tmp_path / "plain0.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, plain_no_dropout, "ddp", 0.0)
+    resumed_no_dropout = rank_pool_2.run(resume_body, plain_no_dropout, 4, 0.0)
+    torch.testing.assert_close(resumed_no_dropout[0], reference_no_dropout[0], rtol=1e-6, atol=1e-7)
+
+
+def test_consolidated_files_hold_the_weights_and_resume(rank_pool_2, tmp_path):
+    from safetensors.torch import load_file
+
+    sharded = str(tmp_path / "epoch1.ckpt")
+    saved = rank_pool_2.run(save_after_one_epoch_body, sharded, "colossal_ddp", 0.0)[0]
+    weights = load_file(str(consolidate(sharded, tmp_path / "model.safetensors")))
+    torch.testing.assert_close(weights, saved, rtol=0, atol=0)
+    stripped = torch.load(
+        consolidate(sharded, tmp_path / "inner.pt", weights_only=True, strip_prefix="model."), weights_only=True
+    )
+    assert set(stripped) == {name.removeprefix("model.") for name in saved}
+    full = consolidate(sharded, tmp_path / "full.ckpt")
+    reference = rank_pool_2.run(uninterrupted_body, 0.0)
+    resumed = rank_pool_2.run(resume_body, str(full), 4, 0.0)
+    torch.testing.assert_close(resumed[0], reference[0], rtol=1e-6, atol=1e-7)
+
+
+def crash_mid_save_body(path: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    world_size = torch.distributed.get_world_size()
+    module = new_module(with_scheduler=True)
+    trainer = quiet_trainer(strategy=ColossalDDPStrategy(), devices=world_size, max_epochs=1)
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    before = float_state(module)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(1.0)
+    original_write = FileSystemWriter.write_data
+
+    def dying_write(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        if torch.distributed.get_rank() == 1:
+            raise OSError("simulated crash while writing")
+        return original_write(self, plan, planner)
+
+    FileSystemWriter.write_data = dying_write  # type: ignore[method-assign]
+    try:
+        trainer.save_checkpoint(path)
+        raised = None
+    except Exception as error:  # DCP reports the failing rank's error on every rank
+        raised = type(error).__name__
+    finally:
+        FileSystemWriter.write_data = original_write  # type: ignore[method-assign]
+    torch.distributed.barrier()
+    leftovers = [leftover.name for leftover in leftovers_of_interrupted_save(path)]
+    fresh = new_module(with_scheduler=True)
+    validator = quiet_trainer(strategy=ColossalDDPStrategy(), devices=world_size, max_epochs=1)
+    validator.fit(fresh, ckpt_path=path)  # max_epochs reached: loads, trains no further
+    return {"raised": raised, "leftovers": leftovers, "before": before, "loaded": float_state(fresh)}
+
+
+def test_crash_during_save_keeps_previous_checkpoint(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(crash_mid_save_body, str(tmp_path / "last.ckpt"))
+    for result in results:
+        assert result["raised"] is not None, "the failed save must raise, not pretend to succeed"
+        assert result["leftovers"] == []
+        torch.testing.assert_close(result["loaded"], result["before"], rtol=0, atol=0)
+
+
+def loss_scaler_state_body(path: str, resume: bool) -> dict[str, Any]:
+    plugin = ColossalPrecision("16-mixed", LossScalerConfig(initial_scale=4096.0, hysteresis=1))
+    module = new_module(overflow_at_step=None if resume else 2)
+    trainer = quiet_trainer(
+        strategy=ColossalDDPStrategy(), devices=torch.distributed.get_world_size(), max_epochs=1, plugins=[plugin]
+    )
+    trainer.fit(module, ckpt_path=path if resume else None)
+    if not resume:
+        trainer.save_checkpoint(path)
+    assert plugin.loss_scaler is not None
+    return plugin.loss_scaler.state_dict()
+
+
+def test_loss_scaler_state_is_saved_and_restored(rank_pool_2, tmp_path):
+    path = str(tmp_path / "fp16.ckpt")
+    saved = rank_pool_2.run(loss_scaler_state_body, path, False)[0]
+    assert saved["scale"] == 2048.0 and saved["skipped_steps"] == 1
+    restored = rank_pool_2.run(loss_scaler_state_body, path, True)[0]
+    assert restored == saved  # max_epochs already reached: nothing trained after loading
+
+
+def wrong_inputs_body(kind: str, path: str) -> str:
+    world_size = torch.distributed.get_world_size()
+    module = new_module()
+    devices = 1 if kind == "devices" else world_size
+    trainer = quiet_trainer(strategy=ColossalDDPStrategy(), devices=devices, max_epochs=1)
+    try:
+        trainer.fit(module, ckpt_path=path if kind != "devices" else None)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("devices", "number of processes"),
+        ("parent_directory", "not a lightning_colossal checkpoint"),
+        ("missing", "No checkpoint at"),
+        ("not_lightning", "not a Lightning checkpoint"),
+    ],
+)
+def test_bad_inputs_fail_with_the_fix(rank_pool_2, tmp_path, kind, expected):
+    path = {"parent_directory": tmp_path, "missing": tmp_path / "nope.ckpt", "devices": tmp_path}.get(kind, tmp_path)
+    if kind == "not_lightning":
+        path = tmp_path / "weights.pt"
+        torch.save({"weight": torch.ones(1)}, path)
+    messages = rank_pool_2.run(wrong_inputs_body, kind, str(path))
+    for message in messages:
+        assert expected in message, message
+
+
+def strict_loading_body(path: str, strict: bool) -> str:
+    module = new_module()
+    module.model.extra = torch.nn.Linear(2, 2)  # a parameter the checkpoint does not have
+    module.strict_loading = strict
+    trainer = quiet_trainer(strategy=ColossalDDPStrategy(), devices=torch.distributed.get_world_size(), max_epochs=1)
+    try:
+        trainer.fit(module, ckpt_path=path)
+    except RuntimeError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_strict_loading_reports_keys_and_can_be_relaxed(rank_pool_2, tmp_path):
+    path = str(tmp_path / "epoch1.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, path)
+    strict_messages = rank_pool_2.run(strict_loading_body, path, True)
+    assert "model.extra.weight" in strict_messages[0] and "strict_loading = False" in strict_messages[0]
+    assert rank_pool_2.run(strict_loading_body, path, False) == ["loaded", "loaded"]
