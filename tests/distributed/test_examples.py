@@ -1,0 +1,44 @@
+"""Every YAML in examples/ runs a few demo steps through the LightningCLI (in the 1-rank pool)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def run_example_body(config: str, root: str) -> int:
+    from lightning_colossal.demo.cli import main
+
+    cli = main(
+        [
+            "fit",
+            f"--config={config}",
+            f"--trainer.default_root_dir={root}",
+            f"--trainer.devices={torch.distributed.get_world_size()}",
+            "--trainer.accelerator=cpu",
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.val_check_interval=2",
+            "--trainer.enable_progress_bar=false",
+            "--model.num_layers=1",
+            "--model.embed_dim=32",
+            "--model.num_heads=2",
+            "--model.block_size=32",
+            "--data.batch_size=2",
+            "--data.max_bytes=100000",
+        ]
+    )
+    return cli.trainer.global_step
+
+
+def test_examples_exist():
+    assert EXAMPLES, "examples/ must hold one YAML per strategy"
+
+
+@pytest.mark.parametrize("config", EXAMPLES, ids=[path.stem for path in EXAMPLES])
+def test_example_config_trains(rank_pool_1, tmp_path, config):
+    assert rank_pool_1.run(run_example_body, str(config), str(tmp_path), timeout=180) == [2]

@@ -1,0 +1,99 @@
+"""Real launches: the README's demo command through Lightning's popen launcher, and the fork (notebook) launcher.
+
+These start fresh interpreters, so they are the slow tests of the suite (~20-40 s each on 2 cores); everything
+else multi-process runs in the rank pool.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from lightning_colossal.checkpoint import is_sharded_checkpoint
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def _run(arguments: list[str], directory: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
+    environment.pop("LOCAL_RANK", None)  # a set LOCAL_RANK would tell Lightning the processes already exist
+    return subprocess.run(
+        [sys.executable, *arguments],
+        cwd=directory,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_demo_cli_trains_on_two_cpu_processes_and_checkpoints(tmp_path):
+    result = _run(
+        [
+            "-m",
+            "lightning_colossal.demo",
+            "fit",
+            "--trainer.max_steps=22",
+            "--trainer.val_check_interval=11",
+            "--trainer.limit_val_batches=2",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.num_layers=1",
+            "--model.embed_dim=32",
+            "--model.num_heads=2",
+            "--model.block_size=32",
+            "--data.batch_size=4",
+            "--data.max_bytes=200000",
+        ],
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "Starting with 2 processes" in result.stdout + result.stderr, "the popen launcher did not start 2 ranks"
+    checkpoints = list(tmp_path.rglob("last.ckpt"))
+    assert len(checkpoints) == 1 and is_sharded_checkpoint(checkpoints[0])
+    assert len(list(checkpoints[0].glob("*.distcp"))) == 2
+    metrics_files = list(tmp_path.rglob("metrics.csv"))
+    assert metrics_files, "no CSV metrics were logged"
+    with open(metrics_files[0]) as handle:
+        rows = list(csv.DictReader(handle))
+    columns = set(rows[0])
+    assert {"train/loss", "val/loss", "train/tokens_per_sec"} <= columns, columns
+    losses = [float(row["train/loss"]) for row in rows if row.get("train/loss")]
+    assert len(losses) >= 3 and all(loss == loss for loss in losses)
+
+
+NOTEBOOK_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import lightning_colossal  # registers the names
+    from lightning.pytorch import Trainer
+    from tests.distributed.oracle import float_state, new_module, quiet_trainer
+
+    if __name__ == "__main__":
+        module = new_module()
+        before = float_state(module)
+        trainer = quiet_trainer(strategy="colossal_ddp_notebook", devices=2, max_steps=3)
+        assert type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher"
+        trainer.fit(module)
+        after = float_state(module)
+        changed = max((after[name] - before[name]).abs().max().item() for name in before)
+        print(f"weights returned to the parent changed by {changed:.3e}")
+        assert changed > 1e-4, "the trained weights did not come back from the forked ranks"
+    """
+)
+
+
+def test_notebook_strategy_forks_ranks_and_returns_trained_weights(tmp_path):
+    script = tmp_path / "notebook_run.py"
+    script.write_text(NOTEBOOK_SCRIPT)
+    result = _run([str(script)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "weights returned to the parent changed by" in result.stdout
