@@ -15,6 +15,7 @@ callbacks, LR schedulers and the precision plugin (loss scaler) from the entries
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -216,6 +217,14 @@ class ColossalStrategy(ParallelStrategy):
                 " launcher (torchrun --nproc-per-node, SLURM --ntasks-per-node) starts."
             )
         device = self.root_device
+        if device.type == "cpu" and self.local_rank == 0:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            if self.num_processes > cores:
+                # Not an error: oversubscribing is how multi-rank code is tested on small machines.
+                rank_zero_warn(
+                    f"Trainer(devices={self.num_processes}) starts {self.num_processes} CPU processes on {cores} cores:"
+                    f" they share cores and train slower than devices={cores} would."
+                )
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(
                 f"Trainer(devices={len(self.parallel_devices)}) asks for GPU {device.index} but this machine has"

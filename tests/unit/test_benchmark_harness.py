@@ -1,0 +1,306 @@
+"""The pure parts of the benchmark harness: statistics, formulas, byte accounting, argument checks, summaries.
+
+No process group and no Lightning import: the whole module runs in well under five seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.configuration import BENCHMARK_MODEL, parse_configuration, parse_strategy_names
+from benchmarks.measure import (
+    MODEL_STATE_FORMULAS,
+    STRATEGY_MODES,
+    covered_bytes,
+    gradient_bytes,
+    optimizer_state_bytes,
+    paired_ratios,
+    parameter_bytes,
+    percentile,
+    run_step_time,
+    summarize,
+)
+from benchmarks.report import format_markdown, format_text, summarize_configurations
+from benchmarks.run import parse_arguments, window_other_load
+
+# ---------------------------------------------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_order_statistics() -> None:
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert percentile(values, 0.0) == 1.0
+    assert percentile(values, 1.0) == 5.0
+    assert percentile(values, 0.5) == 3.0
+    assert percentile(values, 0.2) == pytest.approx(1.8)
+    assert percentile([7.0], 0.2) == 7.0
+
+
+@pytest.mark.parametrize("values, fraction", [([], 0.2), ([1.0], -0.1), ([1.0], 1.5)])
+def test_percentile_rejects_bad_input(values: list[float], fraction: float) -> None:
+    with pytest.raises(ValueError):
+        percentile(values, fraction)
+
+
+def test_run_step_time_takes_the_slowest_rank_per_step_then_the_statistic() -> None:
+    rank0 = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    rank1 = [1.5, 1.0, 3.5, 1.0, 1.0, 1.0]
+    # Per-step slowest: [1.5, 2.0, 3.5, 4.0, 5.0, 6.0].
+    assert run_step_time([rank0, rank1], "min") == 1.5
+    assert run_step_time([rank0, rank1], "median") == pytest.approx(3.75)
+    assert run_step_time([rank0, rank1], "p20") == pytest.approx(2.0)
+
+
+def test_run_step_time_rejects_unknown_statistic_and_ragged_ranks() -> None:
+    with pytest.raises(ValueError, match="Unknown statistic"):
+        run_step_time([[1.0]], "p99")
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        run_step_time([[1.0, 2.0], [1.0]], "p20")
+    with pytest.raises(ValueError):
+        run_step_time([], "p20")
+
+
+def test_paired_ratios_pair_by_repeat_and_skip_unpaired_repeats() -> None:
+    ours = {0: 1.1, 1: 0.9, 2: 2.0, 4: 1.0}
+    peer = {0: 1.0, 1: 1.0, 2: 1.6, 3: 5.0}
+    assert paired_ratios(ours, peer) == pytest.approx([1.1, 0.9, 1.25])
+    summary = summarize(paired_ratios(ours, peer))
+    assert (summary.median, summary.minimum, summary.maximum, summary.count) == pytest.approx((1.1, 0.9, 1.25, 3))
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formulas
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode, expression, total_per_parameter_at_4_ranks",
+    [("ddp", "16Ψ", 16.0), ("zero1", "8Ψ + 8Ψ/N", 10.0), ("zero2", "4Ψ + 12Ψ/N", 7.0), ("zero3", "16Ψ/N", 4.0)],
+)
+def test_formula_table(mode: str, expression: str, total_per_parameter_at_4_ranks: float) -> None:
+    formula = MODEL_STATE_FORMULAS[mode]
+    assert formula.expression() == expression
+    parameter_count = 1000
+    assert formula.bytes(parameter_count, 4).total == pytest.approx(total_per_parameter_at_4_ranks * parameter_count)
+    # At one rank every mode holds the full 16 bytes per parameter.
+    assert formula.bytes(parameter_count, 1).total == pytest.approx(16 * parameter_count)
+
+
+def test_formula_categories_of_zero2() -> None:
+    bytes_per_rank = MODEL_STATE_FORMULAS["zero2"].bytes(parameter_count=100, world_size=2)
+    assert (bytes_per_rank.parameters, bytes_per_rank.gradients, bytes_per_rank.optimizer_state) == (400, 200, 400)
+
+
+def test_every_known_strategy_maps_to_a_formula() -> None:
+    assert set(STRATEGY_MODES.values()) <= set(MODEL_STATE_FORMULAS)
+    assert STRATEGY_MODES["colossal_ddp"] == STRATEGY_MODES["ddp"] == "ddp"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte accounting
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TiedModel(nn.Module):
+    """Embedding 10x4 tied to the output head, one hidden Linear 4x4 with bias: Ψ = 40 + 16 + 4 = 60."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(10, 4)
+        self.hidden = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.embedding(tokens))))
+
+
+def test_model_state_bytes_after_one_adamw_step_match_16_bytes_per_parameter_plus_step_tensors() -> None:
+    torch.manual_seed(0)
+    model = TiedModel()
+    parameters = list(model.parameters())  # de-duplicates the tied weight: 3 tensors
+    parameter_count = sum(parameter.numel() for parameter in parameters)
+    assert (len(parameters), parameter_count) == (3, 60)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    logits = model(torch.tensor([[1, 2, 3]]))
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor([2, 3, 4])).backward()
+    optimizer.step()
+
+    # The tied weight appears twice when listed by module; it still counts once.
+    assert parameter_bytes([model.embedding.weight, model.head.weight, *parameters]) == 4 * parameter_count
+    assert gradient_bytes(model.parameters()) == 4 * parameter_count
+    total, by_key = optimizer_state_bytes([optimizer])
+    step_bytes = sum(state["step"].numel() * state["step"].element_size() for state in optimizer.state.values())
+    assert step_bytes == 3 * 4  # one float32 scalar per parameter tensor
+    assert by_key == {"exp_avg": 4 * parameter_count, "exp_avg_sq": 4 * parameter_count, "step": step_bytes}
+    assert total == 8 * parameter_count + step_bytes
+
+
+def test_gradient_bytes_skip_parameters_without_gradient() -> None:
+    model = nn.Linear(3, 2)
+    assert gradient_bytes(model.parameters()) == 0
+    model.weight.grad = torch.zeros_like(model.weight)
+    assert gradient_bytes(model.parameters()) == 6 * 4
+
+
+def test_covered_bytes_count_views_of_one_flat_buffer_by_their_union() -> None:
+    flat = torch.zeros(100)
+    first, second, overlapping = flat[0:30], flat[30:50], flat[40:60]
+    assert covered_bytes([first, second]) == 50 * 4
+    assert covered_bytes([first, second, overlapping]) == 60 * 4
+    assert covered_bytes([first, flat[80:90]]) == 40 * 4  # a gap between views is not counted
+    assert covered_bytes([flat.view(10, 10).t()]) == 100 * 4  # a transposed view spans the whole buffer
+    assert covered_bytes([torch.zeros(5, dtype=torch.float64), torch.zeros(0)]) == 5 * 8
+
+
+def test_covered_bytes_rejects_meta_tensors() -> None:
+    with pytest.raises(ValueError, match="meta"):
+        covered_bytes([torch.empty(3, device="meta")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arguments and configurations
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_arguments_of_the_documented_command() -> None:
+    arguments = parse_arguments(
+        ["--strategies", "colossal_ddp,ddp", "--peer", "ddp", "--repeats", "5", "--steps", "12", "--warmup", "3"]
+    )
+    assert [configuration.label for configuration in arguments.configurations] == ["colossal_ddp", "ddp"]
+    assert [configuration.mode for configuration in arguments.configurations] == ["ddp", "ddp"]
+    assert (arguments.repeats, arguments.steps, arguments.warmup, arguments.statistic) == (5, 12, 3, "p20")
+    assert arguments.model_config == BENCHMARK_MODEL
+    assert (arguments.world_size, arguments.batch_size_per_rank, arguments.sequence_length) == (2, 4, 128)
+
+
+def test_configuration_tokens_carry_class_arguments_and_mode() -> None:
+    arguments = parse_arguments(
+        [
+            "--strategies",
+            "ddp",
+            "--configuration",
+            "label=fsdp2",
+            "strategy=lightning.pytorch.strategies:ModelParallelStrategy",
+            'args={"data_parallel_size": 2, "tensor_parallel_size": 1}',
+            "mode=zero3",
+        ]
+    )
+    configuration = arguments.configurations[1]
+    assert configuration.label == "fsdp2"
+    assert configuration.strategy == "lightning.pytorch.strategies:ModelParallelStrategy"
+    assert configuration.init_args == {"data_parallel_size": 2, "tensor_parallel_size": 1}
+    assert configuration.mode == "zero3"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "nothing to run"),
+        (["--strategies", "colossal_ddp,ddp", "--peer", "fsdp"], "--peer 'fsdp' is not one of"),
+        (["--strategies", "ddp,ddp"], "unique"),
+        (["--strategies", "ddp", "--repeats", "0"], "must be a positive integer"),
+        (["--strategies", "ddp", "--warmup", "-1"], "must be >= 0"),
+        (["--strategies", "ddp", "--statistic", "p99"], "invalid choice"),
+        (["--strategies", "ddp", "--max-load", "-0.5"], "must be >= 0"),
+        (["--strategies", "ddp,:Class"], "module:Class"),
+        (["--strategies", "ddp", "--model-config", "[1]"], "JSON object"),
+        (["--strategies", "ddp", "--model-config", "{bad"], "not valid JSON"),
+        (["--strategies", "ddp", "--sequence-length", "256"], "exceeds the model's block_size"),
+        (["--configuration", "label=x"], "strategy=..."),
+        (["--configuration", "label=x", "strategy=ddp", "mode=zero9"], "Unknown mode"),
+        (["--configuration", "label=x", "strategy=ddp", "args=[1]"], "JSON object"),
+        (["--configuration", "label=x", "strategy=ddp", "colour=red"], "Unknown --configuration key"),
+        (["--configuration", "label=x", "strategy=ddp", "ddp"], "not key=value"),
+    ],
+)
+def test_argument_errors_exit_with_a_message(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as raised:
+        parse_arguments(argv)
+    assert raised.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_helpers_raise_value_errors() -> None:
+    with pytest.raises(ValueError, match="at least one name"):
+        parse_strategy_names(" , ")
+    with pytest.raises(ValueError, match="given twice"):
+        parse_configuration(["label=a", "label=b", "strategy=ddp"])
+    assert parse_configuration(["label=a", "strategy=my.module:Strategy"]).mode is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Summaries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _rank(rank: int, step_time: float, parameter_count: int = 100) -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "step_times": [step_time, step_time * 1.5, step_time * 2.0],
+        "losses": [3.0, 2.0],
+        "peak_rss_bytes": 400 * 1024 * 1024,
+        "parameter_count": parameter_count,
+        "bytes": {
+            "parameters": 4 * parameter_count,
+            "gradients": 4 * parameter_count,
+            "optimizer_state": 8 * parameter_count + 8,
+            "optimizer_state_by_key": {"exp_avg": 400, "exp_avg_sq": 400, "step": 8},
+        },
+        "window": {"wall_seconds": 10.0, "process_cpu_seconds": 9.0, "system_busy_seconds": 20.0},
+    }
+
+
+def _run(label: str, repeat: int, step_time: float, status: str = "accepted") -> dict[str, Any]:
+    return {
+        "label": label,
+        "repeat": repeat,
+        "status": status,
+        "other_load": 0.1,
+        "ranks": [_rank(0, step_time), _rank(1, step_time)],
+    }
+
+
+def test_summaries_pair_runs_within_a_repeat_and_ignore_discarded_runs() -> None:
+    runs = [
+        _run("ours", 0, 1.1),
+        _run("peer", 0, 1.0),
+        _run("ours", 1, 5.0, status="discarded"),  # a disturbed run must not enter any figure
+        _run("ours", 1, 2.2),
+        _run("peer", 1, 2.0),
+        _run("peer", 2, 1.0),
+        _run("ours", 2, 0.9, status="accepted_over_limit"),
+    ]
+    configurations = [
+        {"label": "ours", "strategy": "x", "mode": "ddp"},
+        {"label": "peer", "strategy": "y", "mode": None},
+    ]
+    ours, peer = summarize_configurations(runs, configurations, "peer", "min", tokens_per_step=1024)
+    assert ours.ratios_to_peer == pytest.approx([1.1, 1.1, 0.9])
+    assert ours.ratio_to_peer is not None
+    assert (ours.ratio_to_peer.median, ours.ratio_to_peer.minimum) == pytest.approx((1.1, 0.9))
+    assert ours.step_time.median == pytest.approx(1.1)
+    assert ours.tokens_per_second == pytest.approx(1024 / 1.1)
+    assert peer.ratio_to_peer is None
+    assert ours.model_state[0].formula_total == pytest.approx(1600)
+    assert ours.model_state[0].total - ours.model_state[0].formula_total == pytest.approx(8)
+    assert peer.model_state[0].formula_total is None
+    text = format_text([ours, peer], "peer", ["Machine: test"])
+    markdown = format_markdown([ours, peer], "peer", ["Machine: test"])
+    assert "1.100 [0.900–1.100]" in text and "16Ψ" in text
+    assert markdown.startswith("- Machine: test") and "| ours | 0 |" in markdown
+
+
+def test_window_other_load_subtracts_every_rank_s_own_cpu_time() -> None:
+    ranks = [_rank(0, 1.0), _rank(1, 1.0)]
+    # 20 busy seconds in a 10 s window, 18 of them ours: others used 0.2 cores on average.
+    assert window_other_load(ranks) == pytest.approx(0.2)
+    ranks[0]["window"]["system_busy_seconds"] = float("nan")
+    assert window_other_load(ranks) is None

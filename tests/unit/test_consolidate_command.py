@@ -1,0 +1,64 @@
+"""The consolidate command line: outputs, renaming, and errors that name the fix."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_colossal.checkpoint.sharded import save_sharded
+from lightning_colossal.consolidate import main
+
+WEIGHTS = {"model.layer.weight": torch.arange(6.0).reshape(2, 3), "model.layer.bias": torch.ones(2)}
+OPTIMIZER = {
+    "state": {"model.layer.weight": {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 3), 0.5)}},
+    "param_groups": [{"lr": 0.1, "params": ["model.layer.weight", "model.layer.bias"]}],
+}
+
+
+@pytest.fixture
+def sharded_checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    save_sharded(path, {"model": WEIGHTS, "optimizer_0": OPTIMIZER}, {"epoch": 0, "global_step": 3, "loops": {}})
+    return path
+
+
+def test_safetensors_output(sharded_checkpoint, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    output = tmp_path / "model.safetensors"
+    assert main([str(sharded_checkpoint), str(output)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    torch.testing.assert_close(load_file(str(output)), WEIGHTS)
+
+
+def test_full_lightning_checkpoint_output(sharded_checkpoint, tmp_path):
+    output = tmp_path / "full.ckpt"
+    assert main([str(sharded_checkpoint), str(output)]) == 0
+    full = torch.load(output, weights_only=False)
+    assert full["global_step"] == 3
+    torch.testing.assert_close(full["state_dict"], WEIGHTS)
+    optimizer = full["optimizer_states"][0]
+    assert optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    torch.testing.assert_close(optimizer["state"][0]["exp_avg"], torch.full((2, 3), 0.5))
+
+
+def test_weights_only_with_stripped_prefix(sharded_checkpoint, tmp_path):
+    output = tmp_path / "inner.pt"
+    assert main([str(sharded_checkpoint), str(output), "--weights-only", "--strip-prefix", "model."]) == 0
+    assert set(torch.load(output, weights_only=True)) == {"layer.weight", "layer.bias"}
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["{checkpoint}", "{tmp}/x.pt", "--strip-prefix", "model."], "add --weights-only"),
+        (["{checkpoint}", "{tmp}/x.pt", "--weights-only", "--strip-prefix", "encoder."], "fix --strip-prefix"),
+        (["{tmp}/missing.ckpt", "{tmp}/x.pt"], "No checkpoint at"),
+        (["{tmp}", "{tmp}/x.pt"], "not a lightning_colossal checkpoint"),
+        (["{checkpoint}", "{tmp}"], "is a directory"),
+    ],
+)
+def test_errors_exit_2_and_name_the_fix(sharded_checkpoint, tmp_path, capsys, arguments, message):
+    filled = [argument.format(checkpoint=sharded_checkpoint, tmp=tmp_path) for argument in arguments]
+    assert main(filled) == 2
+    assert message in capsys.readouterr().err
