@@ -3,8 +3,10 @@
 It owns what all modes have in common: process-group setup with a collective timeout, the device mesh, Lightning's
 launchers (popen for scripts/torchrun/SLURM, spawn, fork for notebooks), the distributed sampler, collectives for
 ``self.log(sync_dist=True)``, the precision plugin translation, string-name registration and the portable
-checkpoint format. A mode subclasses it and fills in four hooks: ``_wrap_model`` / ``_unwrap_model`` (engine set-up
-and tear-down), ``model_state_for_checkpoint`` and ``_load_full_model_state`` (how its weights map to names).
+checkpoint format. A mode subclasses it, implements Lightning's ``setup`` (wrap the model with its engine, build the
+optimizers) and fills in the hooks that depend on how it holds weights: ``model_state_for_checkpoint`` and
+``_load_full_model_state``, plus ``optimizer_names_and_state`` / ``_load_optimizer_state`` when its optimizer state
+is sharded, and ``_build_parallel_dims`` when it splits the world into more than data parallelism.
 
 [Note: who loads checkpoints]
 Sharded strategies must load into the *wrapped* model and the *real* optimizers, so ``restore_checkpoint_after_setup``
@@ -185,7 +187,8 @@ class ColossalStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank
+        # rank_zero_only is a decorated function carrying a `rank` attribute that mypy cannot see.
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         self._validate_devices()
