@@ -241,3 +241,62 @@ def test_strict_loading_reports_keys_and_can_be_relaxed(rank_pool_2, tmp_path):
     strict_messages = rank_pool_2.run(strict_loading_body, path, True)
     assert "model.extra.weight" in strict_messages[0] and "strict_loading = False" in strict_messages[0]
     assert rank_pool_2.run(strict_loading_body, path, False) == ["loaded", "loaded"]
+
+
+def test_resume_at_more_ranks_than_saved(rank_pool_1, rank_pool_2, tmp_path):
+    reference = rank_pool_2.run(uninterrupted_body, 0.0)[0]
+    path = str(tmp_path / "one_rank.ckpt")
+    # One rank with batch 8 trains on the same global batches as two ranks with batch 4.
+    rank_pool_1.run(_fit_and_save_body, path, 8)
+    resumed = rank_pool_2.run(resume_body, path, 4, 0.0)
+    torch.testing.assert_close(resumed[0], reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(resumed[1], resumed[0], rtol=0, atol=0)
+
+
+def _fit_and_save_body(path: str, batch_size: int) -> dict[str, torch.Tensor]:
+    return _fit(epochs=1, save_to=path, batch_size=batch_size, dropout=0.0)
+
+
+def keep_latest_body(directory: str) -> list[str]:
+    callback = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3, save_top_k=1)
+    _fit(epochs=1, callbacks=[callback])
+    return sorted(path.name for path in Path(directory).iterdir())
+
+
+def test_model_checkpoint_removes_superseded_checkpoint_directories(rank_pool_2, tmp_path):
+    assert rank_pool_2.run(keep_latest_body, str(tmp_path))[0] == ["epoch=0-step=6.ckpt", "last.ckpt"]
+
+
+def gpt_body(directory: str, resume_from: str | None) -> dict[str, torch.Tensor]:
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from lightning_colossal.demo.module import GPTLightningModule
+
+    seed_everything(3, verbose=False)
+    module = GPTLightningModule(
+        vocab_size=64, block_size=16, num_layers=2, num_heads=2, embed_dim=32, tie_weights=True, warmup_steps=2
+    )
+    loader = DataLoader(RandomTokenDataset(num_samples=32, block_size=16, vocab_size=64, seed=5), batch_size=4)
+    # The uninterrupted run leaves an end-of-epoch checkpoint behind, as a run that later crashes would.
+    callback = ModelCheckpoint(dirpath=directory, every_n_epochs=1, save_top_k=-1)
+    trainer = quiet_trainer(
+        strategy=ColossalDDPStrategy(),
+        devices=torch.distributed.get_world_size(),
+        max_epochs=2,
+        callbacks=[callback],
+        enable_checkpointing=True,
+    )
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=resume_from)
+    assert module.model is not None
+    assert module.model.lm_head.weight is module.model.token_embedding.weight, "the tie must survive loading"
+    return float_state(module)
+
+
+def test_tied_weights_gpt_resumes_identically(rank_pool_2, tmp_path):
+    reference = rank_pool_2.run(gpt_body, str(tmp_path / "first"), None)
+    epoch_end = tmp_path / "first" / "epoch=0-step=4.ckpt"
+    assert epoch_end.is_dir()
+    resumed = rank_pool_2.run(gpt_body, str(tmp_path / "second"), str(epoch_end))
+    torch.testing.assert_close(resumed[0], reference[0], rtol=0, atol=0)
