@@ -276,9 +276,11 @@ def test_summaries_pair_runs_within_a_repeat_and_ignore_discarded_runs() -> None
         _run("ours", 1, 2.2),
         _run("peer", 1, 2.0),
         _run("peer", 2, 1.0),
-        _run("ours", 2, 0.9, status="accepted_over_limit"),
+        _run("ours", 2, 0.9),
+        _run("peer", 3, 1.0),
+        _run("ours", 3, 9.0, status="discarded"),  # every attempt disturbed: repeat 3 has no pair
     ]
-    configurations = [
+    configurations: list[dict[str, Any]] = [
         {"label": "ours", "strategy": "x", "mode": "ddp"},
         {"label": "peer", "strategy": "y", "mode": None},
     ]
@@ -289,12 +291,13 @@ def test_summaries_pair_runs_within_a_repeat_and_ignore_discarded_runs() -> None
     assert ours.step_time.median == pytest.approx(1.1)
     assert ours.tokens_per_second == pytest.approx(1024 / 1.1)
     assert peer.ratio_to_peer is None
-    assert ours.model_state[0].formula_total == pytest.approx(1600)
-    assert ours.model_state[0].total - ours.model_state[0].formula_total == pytest.approx(8)
+    formula_total = ours.model_state[0].formula_total
+    assert formula_total == pytest.approx(1600)
+    assert formula_total is not None and ours.model_state[0].total - formula_total == pytest.approx(8)
     assert peer.model_state[0].formula_total is None
     text = format_text([ours, peer], "peer", ["Machine: test"])
     markdown = format_markdown([ours, peer], "peer", ["Machine: test"])
-    assert "1.100 [0.900–1.100]" in text and "16Ψ" in text
+    assert "1.100 [0.900–1.100] (n=3)" in text and "16Ψ" in text
     assert markdown.startswith("- Machine: test") and "| ours | 0 |" in markdown
 
 

@@ -1,0 +1,273 @@
+"""From raw run records to per-configuration figures, a text table and a ready-to-paste markdown block.
+
+Pure functions over the JSON-able run records of ``benchmarks.run``; no process, torch or Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks.measure import MODEL_STATE_FORMULAS, Summary, paired_ratios, run_step_time, summarize
+
+__all__ = ["ConfigurationSummary", "format_markdown", "format_text", "summarize_configurations"]
+
+_MIB = 1024 * 1024
+# Only runs under the load limit (or taken without one) enter the figures; the others stay in the raw JSON.
+ACCEPTED_STATUSES = ("accepted",)
+
+
+@dataclass(frozen=True)
+class RankBytes:
+    """Measured model-state bytes of one rank, next to the formula for its mode."""
+
+    rank: int
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    optimizer_state_by_key: dict[str, int]
+    formula_parameters: float | None
+    formula_gradients: float | None
+    formula_optimizer_state: float | None
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def formula_total(self) -> float | None:
+        parts = (self.formula_parameters, self.formula_gradients, self.formula_optimizer_state)
+        return None if any(part is None for part in parts) else sum(part for part in parts if part is not None)
+
+
+@dataclass(frozen=True)
+class ConfigurationSummary:
+    """The figures of one configuration over its accepted runs."""
+
+    label: str
+    strategy: str
+    mode: str | None
+    formula_expression: str | None
+    parameter_count: int
+    step_time_by_repeat: dict[int, float]
+    step_time: Summary
+    tokens_per_second: float
+    ratio_to_peer: Summary | None
+    ratios_to_peer: list[float]
+    peak_rss_bytes_per_rank: list[float]
+    model_state: list[RankBytes]
+    bytes_identical_across_runs: bool
+    other_load: Summary | None
+    final_loss: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["model_state"] = [
+            {**asdict(rank_bytes), "total": rank_bytes.total, "formula_total": rank_bytes.formula_total}
+            for rank_bytes in self.model_state
+        ]
+        return data
+
+
+def _median(values: Sequence[float]) -> float:
+    return summarize(values).median
+
+
+def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: int) -> RankBytes:
+    measured = rank_result["bytes"]
+    formula = None
+    if mode is not None:
+        formula = MODEL_STATE_FORMULAS[mode].bytes(rank_result["parameter_count"], world_size)
+    return RankBytes(
+        rank=rank_result["rank"],
+        parameters=measured["parameters"],
+        gradients=measured["gradients"],
+        optimizer_state=measured["optimizer_state"],
+        optimizer_state_by_key=measured["optimizer_state_by_key"],
+        formula_parameters=formula.parameters if formula else None,
+        formula_gradients=formula.gradients if formula else None,
+        formula_optimizer_state=formula.optimizer_state if formula else None,
+    )
+
+
+def summarize_configurations(
+    runs: Sequence[Mapping[str, Any]],
+    configurations: Sequence[Mapping[str, Any]],
+    peer: str | None,
+    statistic: str,
+    tokens_per_step: int,
+) -> list[ConfigurationSummary]:
+    """Per-configuration figures from the accepted runs (discarded runs are only counted elsewhere).
+
+    Args:
+        runs: Run records of ``benchmarks.run`` (``label``, ``repeat``, ``status``, ``ranks``, ``other_load``).
+        configurations: ``{"label", "strategy", "mode"}`` per configuration, in the order to report them.
+        peer: Label whose run of the same repeat divides every other configuration's, or ``None``.
+        statistic: Per-run step-time statistic (``p20``, ``min``, ``median``).
+        tokens_per_step: Tokens of one global batch.
+    """
+    accepted = [run for run in runs if run["status"] in ACCEPTED_STATUSES]
+    step_times: dict[str, dict[int, float]] = {}
+    for run in accepted:
+        per_rank = [rank["step_times"] for rank in run["ranks"]]
+        step_times.setdefault(run["label"], {})[run["repeat"]] = run_step_time(per_rank, statistic)
+    summaries = []
+    for configuration in configurations:
+        label, mode = configuration["label"], configuration["mode"]
+        own_runs = sorted((run for run in accepted if run["label"] == label), key=lambda run: run["repeat"])
+        if not own_runs:
+            continue
+        world_size = len(own_runs[0]["ranks"])
+        by_repeat = step_times[label]
+        ratios = paired_ratios(by_repeat, step_times.get(peer, {})) if peer and label != peer else []
+        byte_fingerprints = {
+            tuple(
+                (rank["bytes"]["parameters"], rank["bytes"]["gradients"], rank["bytes"]["optimizer_state"])
+                for rank in run["ranks"]
+            )
+            for run in own_runs
+        }
+        loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
+        first = own_runs[0]
+        summaries.append(
+            ConfigurationSummary(
+                label=label,
+                strategy=configuration["strategy"],
+                mode=mode,
+                formula_expression=MODEL_STATE_FORMULAS[mode].expression() if mode else None,
+                parameter_count=first["ranks"][0]["parameter_count"],
+                step_time_by_repeat=by_repeat,
+                step_time=summarize(list(by_repeat.values())),
+                tokens_per_second=tokens_per_step / _median(list(by_repeat.values())),
+                ratio_to_peer=summarize(ratios) if ratios else None,
+                ratios_to_peer=ratios,
+                peak_rss_bytes_per_rank=[
+                    _median([run["ranks"][rank]["peak_rss_bytes"] for run in own_runs]) for rank in range(world_size)
+                ],
+                model_state=[_rank_bytes(rank_result, mode, world_size) for rank_result in first["ranks"]],
+                bytes_identical_across_runs=len(byte_fingerprints) == 1,
+                other_load=summarize(loads) if loads else None,
+                final_loss=sum(rank["losses"][-1] for rank in first["ranks"]) / world_size,
+            )
+        )
+    return summaries
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Formatting
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _range(summary: Summary, digits: int) -> str:
+    return f"{summary.median:.{digits}f} [{summary.minimum:.{digits}f}–{summary.maximum:.{digits}f}]"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / _MIB:.2f}"
+
+
+def _timing_rows(summaries: Sequence[ConfigurationSummary], peer: str | None) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "configuration",
+        "runs",
+        "step time s, median [min–max]",
+        "tokens/s",
+        f"ratio vs {peer}, median [min–max]" if peer else "ratio",
+        "peak RSS MiB per rank",
+        "other load (cores), median [min–max]",
+        "last loss",
+    ]
+    rows = []
+    for summary in summaries:
+        if summary.ratio_to_peer is not None:
+            ratio = f"{_range(summary.ratio_to_peer, 3)} (n={summary.ratio_to_peer.count})"
+        else:
+            ratio = "1 (peer)" if summary.label == peer else "n/a"
+        rows.append(
+            [
+                summary.label,
+                str(summary.step_time.count),
+                _range(summary.step_time, 3),
+                f"{summary.tokens_per_second:.0f}",
+                ratio,
+                " / ".join(f"{value / _MIB:.0f}" for value in summary.peak_rss_bytes_per_rank),
+                _range(summary.other_load, 2) if summary.other_load else "unknown",
+                f"{summary.final_loss:.6f}",
+            ]
+        )
+    return header, rows
+
+
+def _bytes_rows(summaries: Sequence[ConfigurationSummary]) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "configuration",
+        "rank",
+        "params MiB",
+        "grads MiB",
+        "optimizer state MiB",
+        "total bytes",
+        "formula",
+        "formula bytes",
+        "measured − formula (bytes)",
+        "measured / formula",
+    ]
+    rows = []
+    for summary in summaries:
+        for rank_bytes in summary.model_state:
+            formula_total = rank_bytes.formula_total
+            rows.append(
+                [
+                    summary.label,
+                    str(rank_bytes.rank),
+                    _mib(rank_bytes.parameters),
+                    _mib(rank_bytes.gradients),
+                    _mib(rank_bytes.optimizer_state),
+                    f"{rank_bytes.total:,}",
+                    summary.formula_expression or "n/a",
+                    "n/a" if formula_total is None else f"{formula_total:,.0f}",
+                    "n/a" if formula_total is None else f"{rank_bytes.total - formula_total:+,.0f}",
+                    "n/a" if formula_total is None else f"{rank_bytes.total / formula_total:.6f}",
+                ]
+            )
+    return header, rows
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in [header, *rows]]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
+    notes = []
+    for summary in summaries:
+        if not summary.bytes_identical_across_runs:
+            notes.append(f"{summary.label}: model-state bytes differ between runs; the table shows the first run.")
+        for rank_bytes in summary.model_state[:1]:
+            keys = ", ".join(f"{key} {value:,} B" for key, value in rank_bytes.optimizer_state_by_key.items())
+            notes.append(f"{summary.label}: optimizer state by key on rank {rank_bytes.rank}: {keys}.")
+    return notes
+
+
+def format_text(summaries: Sequence[ConfigurationSummary], peer: str | None, header_lines: Sequence[str]) -> str:
+    """The human-readable report: settings, timing table, bytes table, notes."""
+    timing = _text_table(*_timing_rows(summaries, peer))
+    model_state = _text_table(*_bytes_rows(summaries))
+    notes = "\n".join(f"note: {line}" for line in _notes(summaries))
+    return "\n".join([*header_lines, "", timing, "", model_state, "", notes]).rstrip() + "\n"
+
+
+def format_markdown(summaries: Sequence[ConfigurationSummary], peer: str | None, header_lines: Sequence[str]) -> str:
+    """A markdown block for ``benchmarks/RESULTS.md``: settings as a list, then the two tables and the notes."""
+    settings = "\n".join(f"- {line}" for line in header_lines)
+    timing = _markdown_table(*_timing_rows(summaries, peer))
+    model_state = _markdown_table(*_bytes_rows(summaries))
+    notes = "\n".join(f"- {line}" for line in _notes(summaries))
+    return "\n\n".join([settings, timing, model_state, notes]).rstrip() + "\n"

@@ -1,0 +1,208 @@
+"""The body of one benchmark rank: ``python -m benchmarks.worker --spec run.json``.
+
+The orchestrator (``benchmarks.run``) starts one of these per rank with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set, so Lightning launches nothing and the ranks join through the
+environment. Each rank trains the GPT for ``warmup_steps + measured_steps`` steps and writes
+``rank<RANK>.json`` into the run's result directory: its step times, peak RSS, model-state bytes and the CPU
+time of the measured window (for the load check of ``benchmarks.machine``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from torch.utils.data import DataLoader
+
+import lightning_colossal  # noqa: F401  (registers the colossal_* strategy names)
+from benchmarks.configuration import RunSpec
+from benchmarks.machine import read_cpu_times
+from benchmarks.measure import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from lightning_colossal.demo.data import RandomTokenDataset
+from lightning_colossal.demo.model import GPT, GPTConfig
+
+
+class BenchmarkModule(LightningModule):
+    """Next-token training of the GPT with plain AdamW: no scheduler and no logging, so nothing but the
+    strategy differs between configurations and nothing synchronises outside the strategy."""
+
+    def __init__(self, model_config: GPTConfig, learning_rate: float) -> None:
+        super().__init__()
+        self.model_config = model_config
+        self.learning_rate = learning_rate
+        self.model: GPT | None = None
+
+    def configure_model(self) -> None:
+        # Built here so sharded strategies can build it inside their own init contexts; idempotent.
+        if self.model is None:
+            self.model = GPT(self.model_config)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        assert self.model is not None, "configure_model() runs before training"
+        input_ids, targets = batch
+        logits = self.model(input_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+class BenchmarkProbe(Callback):
+    """Times every training step and measures model-state bytes at the end of training.
+
+    A step is ``on_train_batch_start`` to ``on_train_batch_end``: forward, backward, gradient communication and
+    the optimizer step. Gradient bytes are read in ``on_before_optimizer_step`` of the last step, when the
+    gradients of the last backward (after any reduction or sharding) are all present; parameter and optimizer
+    bytes at ``on_train_end``, before the strategy tears anything down.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.step_times: list[float] = []
+        self.warmup_step_times: list[float] = []
+        self.losses: list[float] = []
+        self.bytes: dict[str, Any] = {}
+        self.window: dict[str, float] = {}
+        self._step_start = 0.0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.warmup_steps:
+            self._open_window()
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        elapsed = time.perf_counter() - self._step_start
+        (self.step_times if batch_idx >= self.warmup_steps else self.warmup_step_times).append(elapsed)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
+        if batch_idx == self.total_steps - 1:
+            self._close_window()
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # global_step counts finished optimizer steps, so this is the last step's gradient.
+        if trainer.global_step == self.total_steps - 1:
+            self.bytes["gradients"] = gradient_bytes(pl_module.parameters())
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        state_total, state_by_key = optimizer_state_bytes(trainer.optimizers)
+        self.bytes["parameters"] = parameter_bytes(pl_module.parameters())
+        self.bytes["optimizer_state"] = state_total
+        self.bytes["optimizer_state_by_key"] = state_by_key
+        self.bytes["parameter_tensors"] = sum(1 for _ in pl_module.parameters())
+
+    def _open_window(self) -> None:
+        cpu_times = read_cpu_times()
+        self.window["wall_start"] = time.perf_counter()
+        self.window["process_cpu_start"] = time.process_time()
+        self.window["system_busy_start"] = cpu_times.busy_seconds if cpu_times else float("nan")
+        self.window["system_steal_start"] = cpu_times.steal_seconds if cpu_times else float("nan")
+
+    def _close_window(self) -> None:
+        cpu_times = read_cpu_times()
+        self.window["wall_seconds"] = time.perf_counter() - self.window.pop("wall_start")
+        self.window["process_cpu_seconds"] = time.process_time() - self.window.pop("process_cpu_start")
+        busy_start = self.window.pop("system_busy_start")
+        steal_start = self.window.pop("system_steal_start")
+        self.window["system_busy_seconds"] = cpu_times.busy_seconds - busy_start if cpu_times else float("nan")
+        self.window["system_steal_seconds"] = cpu_times.steal_seconds - steal_start if cpu_times else float("nan")
+
+
+def build_strategy(name: str, init_args: dict[str, Any]) -> Strategy | str:
+    """The strategy of a configuration: a registered name, with ``init_args`` merged over its own, or
+    ``module:Class(**init_args)``.
+
+    Raises:
+        ValueError: the name is neither registered nor importable.
+    """
+    if ":" in name:
+        module_name, _, class_name = name.partition(":")
+        strategy_class = getattr(importlib.import_module(module_name), class_name)
+        return strategy_class(**init_args)
+    if name not in StrategyRegistry:
+        available = ", ".join(sorted(StrategyRegistry.keys()))
+        raise ValueError(f"Strategy {name!r} is not registered; registered names: {available}; or use module:Class.")
+    if not init_args:
+        return name  # let the Trainer resolve it exactly as a user's Trainer(strategy=name) would
+    entry = StrategyRegistry[name]
+    return entry["strategy"](**{**entry["init_params"], **init_args})
+
+
+def parameter_count(model_config: GPTConfig) -> int:
+    """Ψ: parameters of the whole model, from a copy on the meta device (no memory, no RNG draw)."""
+    with torch.device("meta"):
+        return GPT(model_config).num_parameters()
+
+
+def run(spec: RunSpec, rank: int) -> dict[str, Any]:
+    """Train one run on this rank and return its measurements."""
+    model_config = GPTConfig(**spec.model_config)
+    torch.manual_seed(spec.seed)  # the same initial weights on every rank and in every configuration
+    dataset = RandomTokenDataset(
+        vocab_size=model_config.vocab_size,
+        block_size=spec.sequence_length,
+        num_samples=spec.batch_size_per_rank * spec.world_size * spec.total_steps,
+        seed=spec.seed,
+    )
+    # Not shuffled: every configuration sees the same batches in the same order (Lightning adds the
+    # DistributedSampler that splits them over ranks).
+    loader = DataLoader(dataset, batch_size=spec.batch_size_per_rank, shuffle=False, drop_last=True)
+    probe = BenchmarkProbe(spec.warmup_steps, spec.total_steps)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=spec.world_size,
+        strategy=build_strategy(spec.strategy, spec.init_args),
+        max_steps=spec.total_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    trainer.fit(BenchmarkModule(model_config, spec.learning_rate), train_dataloaders=loader)
+    if len(probe.step_times) != spec.measured_steps:
+        raise RuntimeError(f"Measured {len(probe.step_times)} steps, expected {spec.measured_steps}.")
+    return {
+        "rank": rank,
+        "step_times": probe.step_times,
+        "warmup_step_times": probe.warmup_step_times,
+        "losses": probe.losses,
+        # ru_maxrss is in KiB on Linux.
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "bytes": probe.bytes,
+        "parameter_count": parameter_count(model_config),
+        "window": probe.window,
+        "strategy_class": type(trainer.strategy).__qualname__,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=Path, required=True, help="run spec JSON written by benchmarks.run")
+    arguments = parser.parse_args(argv)
+    spec = RunSpec.read(arguments.spec)
+    rank = int(os.environ["RANK"])
+    result = run(spec, rank)
+    # Written to a temporary name and renamed, so the orchestrator never reads half a file.
+    result_path = Path(spec.result_directory) / f"rank{rank}.json"
+    temporary_path = result_path.with_suffix(".json.partial")
+    temporary_path.write_text(json.dumps(result))
+    temporary_path.rename(result_path)
+
+
+if __name__ == "__main__":
+    main()
