@@ -65,7 +65,8 @@ class ParallelDims:
 
     def axis_sizes(self) -> dict[str, int]:
         """Sizes by axis name in mesh order (outermost first)."""
-        return {"pp": self.pp, "dp": self.data_parallel_size, "sp": self.sp, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp": self.data_parallel_size, "sp": self.sp, "tp": self.tp}
+        return {axis: sizes[axis] for axis in MESH_AXES}
 
 
 def build_device_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
