@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -73,6 +74,7 @@ class ColossalDDPStrategy(ColossalStrategy):
             start_method=start_method,
             loss_scaler=loss_scaler,
         )
+        self._forward_redirection = _ManualOptimizationAwareRedirection()
         self.ddp_config = DDPConfig(
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -151,3 +153,20 @@ class ColossalDDPStrategy(ColossalStrategy):
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+
+class _ManualOptimizationAwareRedirection(_ForwardRedirection):
+    """Run ``training_step`` through the DDP wrapper without DDP preparing a backward of its own.
+
+    Lightning routes ``training_step`` through ``DistributedDataParallel.forward``. With manual optimization the
+    step already ran ``manual_backward`` (which calls ``prepare_for_backward`` itself, see ``pre_backward``), so DDP's
+    post-forward must not expect another backward; otherwise the next forward fails in the reducer.
+    """
+
+    def on_after_inner_forward(self, wrapper_module: torch.nn.Module, original_module: pl.LightningModule) -> None:
+        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = False
+
+    def on_after_outer_forward(self, wrapper_module: torch.nn.Module, original_module: pl.LightningModule) -> None:
+        if isinstance(wrapper_module, DistributedDataParallel) and not original_module.automatic_optimization:
+            wrapper_module.require_backward_grad_sync = True

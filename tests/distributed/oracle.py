@@ -79,7 +79,7 @@ class RegressionModule(LightningModule):
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_index: int) -> torch.Tensor:
         inputs, targets = batch
-        loss = nn.functional.mse_loss(self.model(inputs).float(), targets)
+        loss = nn.functional.mse_loss(self.model(inputs).float(), targets.float())
         self.micro_batch_losses.append(loss.detach().item())
         self.log("train_loss", loss, sync_dist=True)
         if self.overflow_at_step is not None and self.global_step == self.overflow_at_step and self.global_rank == 1:
@@ -137,13 +137,14 @@ def oracle_train(
     learning_rate: float = 0.02,
     autocast_dtype: torch.dtype | None = None,
     skip_steps: Sequence[int] = (),
+    parameter_dtype: torch.dtype = torch.float32,
 ) -> OracleResult:
     """Train like ``world_size`` data-parallel ranks would, in one process (unshuffled DistributedSampler order)."""
-    module = new_module(batch_size=batch_size, learning_rate=learning_rate)
+    module = new_module(batch_size=batch_size, learning_rate=learning_rate).to(parameter_dtype)
     model = module.model
     optimizer = build_optimizer(module, learning_rate)
     dataset = make_dataset()
-    inputs, targets = dataset.tensors
+    inputs, targets = (tensor.to(parameter_dtype) for tensor in dataset.tensors)
     result = OracleResult()
     micro_batches = _rank_micro_batches(dataset, world_size, batch_size)
     for step in range(steps):
@@ -153,7 +154,7 @@ def oracle_train(
             for chosen in next(micro_batches):
                 with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else _no_context():
                     prediction = model(inputs[chosen])
-                losses.append(nn.functional.mse_loss(prediction.float(), targets[chosen]))
+                losses.append(nn.functional.mse_loss(prediction.float(), targets[chosen].float()))
         loss = torch.stack(losses).mean()
         loss.backward()
         result.step_losses.append(loss.item())

@@ -9,6 +9,7 @@ import torch
 
 from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
 from tests.distributed.oracle import (
+    RegressionModule,
     float_state,
     new_module,
     oracle_train,
@@ -79,6 +80,47 @@ def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, autocast_dtype=torch.bfloat16)
     _assert_matches_oracle(results, oracle, 2, rtol=2e-2, atol=2e-3)
     assert results[0]["parameters"]["model.input.weight"].dtype == torch.float32
+
+
+def test_bf16_true_keeps_bf16_weights_and_matches_a_bf16_oracle(rank_pool_2):
+    results = rank_pool_2.run(train_ddp_body, STEPS, 1, None, "norm", "bf16-true")
+    oracle = oracle_train(world_size=2, steps=STEPS, parameter_dtype=torch.bfloat16)
+    # float_state() upcasts for comparison; bf16 weights after a few Adam steps agree to bf16 resolution.
+    _assert_matches_oracle(results, oracle, 1, rtol=2e-2, atol=1e-2)
+
+
+class ManualModule(RegressionModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        inputs, targets = batch
+        loss = torch.nn.functional.mse_loss(self.model(inputs), targets)
+        self.micro_batch_losses.append(loss.detach().item())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        optimizer.step()
+        return loss
+
+
+def manual_optimization_body() -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+
+    from tests.distributed.oracle import MODEL_SEED
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = ManualModule()
+    trainer = quiet_trainer(strategy=ColossalDDPStrategy(), devices=torch.distributed.get_world_size(), max_steps=STEPS)
+    trainer.fit(module)
+    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
+
+
+def test_manual_optimization_matches_oracle(rank_pool_2):
+    results = rank_pool_2.run(manual_optimization_body)
+    _assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, clip_norm=0.05), 1, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])

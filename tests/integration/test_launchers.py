@@ -72,6 +72,7 @@ def test_demo_cli_trains_on_two_cpu_processes_and_checkpoints(tmp_path):
 
 NOTEBOOK_SCRIPT = textwrap.dedent(
     """
+    import sys
     import torch
     import lightning_colossal  # registers the names
     from lightning.pytorch import Trainer
@@ -80,7 +81,10 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         module = new_module()
         before = float_state(module)
-        trainer = quiet_trainer(strategy="colossal_ddp_notebook", devices=2, max_steps=3)
+        strategy = sys.argv[1]
+        if strategy == "spawn":
+            strategy = lightning_colossal.ColossalDDPStrategy(start_method="spawn")
+        trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=3)
         assert type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher"
         trainer.fit(module)
         after = float_state(module)
@@ -91,9 +95,10 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
 )
 
 
-def test_notebook_strategy_forks_ranks_and_returns_trained_weights(tmp_path):
+@pytest.mark.parametrize("strategy", ["colossal_ddp_notebook", "spawn"], ids=["fork", "spawn"])
+def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     script = tmp_path / "notebook_run.py"
     script.write_text(NOTEBOOK_SCRIPT)
-    result = _run([str(script)], tmp_path)
+    result = _run([str(script), strategy], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "weights returned to the parent changed by" in result.stdout
