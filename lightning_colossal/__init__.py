@@ -6,9 +6,9 @@ Lightning's ``StrategyRegistry``, so ``Trainer(strategy="colossal_ddp")`` works 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_colossal.config import DDPConfig, LossScalerConfig
+from lightning_colossal.config import DDPConfig, LossScalerConfig, ZeroConfig
 from lightning_colossal.precision import ColossalPrecision, DynamicLossScaler
-from lightning_colossal.strategies import ALL_STRATEGIES, ColossalDDPStrategy, ColossalStrategy
+from lightning_colossal.strategies import ALL_STRATEGIES, ColossalDDPStrategy, ColossalStrategy, ZeroStrategy
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,8 @@ __all__ = [
     "DDPConfig",
     "DynamicLossScaler",
     "LossScalerConfig",
+    "ZeroConfig",
+    "ZeroStrategy",
     "register_strategies",
     "__version__",
 ]

@@ -109,6 +109,39 @@ class DDPConfig:
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Settings of the ZeRO-1/2 engine (``lightning_colossal.zero``).
+
+    Args:
+        stage: 1 shards optimizer state (and fp32 masters); 2 also shards gradients.
+        cpu_offload: keep fp32 masters, gradients shards and optimizer state in CPU memory and step there.
+        bucket_size_mb: size of a gradient reduction bucket in MiB (of fp32-equivalent elements).
+        overlap_communication: launch bucket reductions from gradient hooks while backward still runs.
+        stage2_accumulation: with gradient accumulation under stage 2, ``"sharded"`` reduces every micro-batch into
+            the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"`` accumulates full
+            gradients and reduces once per step (stage-1 memory during accumulation, least communication).
+    """
+
+    stage: int = 1
+    cpu_offload: bool = False
+    bucket_size_mb: float = 25.0
+    overlap_communication: bool = True
+    stage2_accumulation: Literal["sharded", "local"] = "sharded"
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(
+                f"ZeRO stage={self.stage} is not a stage of this strategy: use 1 (optimizer state) or 2 (+ gradients)."
+                " For stage 3 (sharded parameters) use `colossal_gemini` or `colossal_fsdp`; for plain data"
+                " parallelism use `colossal_ddp`."
+            )
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a positive size in MiB, e.g. 25.")
+        if self.stage2_accumulation not in ("sharded", "local"):
+            raise ValueError(f"stage2_accumulation={self.stage2_accumulation!r}: pass 'sharded' or 'local'.")
+
+
 def validate_precision(precision: str) -> PrecisionName:
     """Return ``precision`` if lightning_colossal supports it, else raise a ``ValueError`` naming the choices."""
     if precision not in SUPPORTED_PRECISIONS:

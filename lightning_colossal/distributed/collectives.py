@@ -126,3 +126,40 @@ def all_gather_tensor(
     gathered = [torch.empty_like(tensor) for _ in range(world_size(group))]
     dist.all_gather(gathered, tensor, group=group)
     return torch.stack(gathered)
+
+
+def backend(group: ProcessGroup | None = None) -> str:
+    """The backend of ``group`` (``"gloo"``, ``"nccl"``, ...); ``"none"`` without a process group."""
+    return str(dist.get_backend(group)) if is_initialized() else "none"
+
+
+def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) -> dist.Work | None:
+    """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone)."""
+    if not is_initialized() or world_size(group) == 1:
+        return None
+    return dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=True)
+
+
+def reduce_scatter_async(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None
+) -> dist.Work | None:
+    """Start a SUM reduce-scatter: rank r receives the sum of every rank's r-th equal slice of ``input``."""
+    if not is_initialized() or world_size(group) == 1:
+        output.copy_(input)
+        return None
+    return dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None) -> None:
+    """Concatenate every rank's ``input`` (same size on all ranks) into ``output``, in rank order."""
+    if not is_initialized() or world_size(group) == 1:
+        output.copy_(input)
+        return
+    dist.all_gather_into_tensor(output, input, group=group)
+
+
+def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:
+    """Overwrite ``tensor`` on every rank of ``group`` with the one of ``source_rank`` (a rank within the group)."""
+    if not is_initialized() or world_size(group) == 1:
+        return
+    dist.broadcast(tensor, group_src=source_rank, group=group)

@@ -2,7 +2,8 @@
 
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
+from lightning_colossal.strategies.zero import ZeroStrategy
 
-ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy,)
+ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy, ZeroStrategy)
 
-__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalStrategy"]
+__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalStrategy", "ZeroStrategy"]

@@ -299,6 +299,9 @@ class ColossalStrategy(ParallelStrategy):
         """
         raise NotImplementedError(f"{type(self).__name__} must say how its weights map to names.")
 
+    def _on_model_state_loaded(self) -> None:
+        """Called after a sharded checkpoint filled ``model_state_for_checkpoint()`` in place (engines re-sync here)."""
+
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         """Load full (unsharded) weights by name into the live, set-up model."""
         raise NotImplementedError(f"{type(self).__name__} must say how to load full weights.")
@@ -376,6 +379,7 @@ class ColossalStrategy(ParallelStrategy):
         if restores_rng:
             tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
         load_sharded(path, tensor_state, allow_partial=not strict)
+        self._on_model_state_loaded()
         for index, optimizer in enumerate(optimizers):
             self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])
         if restores_rng:

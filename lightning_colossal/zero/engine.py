@@ -1,0 +1,406 @@
+"""ZeRO-1/2: optimizer state (and, for stage 2, gradients) sharded over data-parallel ranks. No Lightning here.
+
+The user's optimizer is kept (so LR schedulers and ``param_groups`` edits keep working) but its parameter lists are
+replaced by *masters*: this rank's rows of each parameter (see ``layout`` [Note: sharding along dim 0]). An fp32
+parameter that is not offloaded is its own master (a view, no copy). Low-precision parameters and CPU offload get
+fp32 masters in one flat buffer on the offload device. After each optimizer step the updated rows are written back
+and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
+
+[Note: parameter exchange per backend]
+After a step each rank owns fresh rows of every parameter. NCCL all-gathers a rank-major buffer. On gloo an
+all-gather costs ~3x an all-reduce of the same bytes, so each rank writes its rows into a zeroed full-size buffer
+and all-reduces it: since the owned rows partition the parameter, the sum is exactly the gathered tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_colossal.config import ZeroConfig
+from lightning_colossal.distributed import collectives
+from lightning_colossal.zero.layout import shard_spec
+from lightning_colossal.zero.reducer import GradientReducer, ReducedParameter
+
+
+class ZeroMemoryReport(NamedTuple):
+    """Bytes this rank holds, summed from the real tensors."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    num_parameters: int
+
+
+class ZeroEngine:
+    """Shards the optimizer of ``module`` over the ranks of ``device_mesh`` (a 1-D data-parallel mesh).
+
+    Args:
+        module: the model; its trainable parameters that ``optimizer`` holds take part.
+        optimizer: the user's optimizer, built on ``module``'s parameters and not stepped yet.
+        config: ZeRO settings.
+        device_mesh: 1-D mesh of the data-parallel ranks (describes optimizer state shards in checkpoints).
+        compute_device: where the model computes.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        config: ZeroConfig,
+        device_mesh: DeviceMesh,
+        compute_device: torch.device,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.device_mesh = device_mesh
+        self.process_group: ProcessGroup = device_mesh.get_group()
+        self.world_size = collectives.world_size(self.process_group)
+        self.rank = collectives.rank(self.process_group)
+        self.compute_device = compute_device
+        self.offload_device = torch.device("cpu") if config.cpu_offload else compute_device
+        _validate_optimizer(optimizer, config)
+        self.members = self._members()
+        self._broadcast_parameters()
+        self.masters_alias_parameters = not config.cpu_offload and all(
+            member.parameter.dtype == torch.float32 for member in self.members
+        )
+        self.master_buffer, self.master_gradient_buffer = self._allocate_masters()
+        self.masters = [self._master_view(index, member) for index, member in enumerate(self.members)]
+        self._replace_optimizer_parameters()
+        bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
+        self.reducer = GradientReducer(
+            self.members,
+            stage=config.stage,
+            process_group=self.process_group,
+            bucket_numel=bucket_numel,
+            overlap=config.overlap_communication,
+            accumulate_locally=config.stage2_accumulation == "local",
+            device=compute_device,
+            on_finished=self._attach_master_gradients,
+        )
+        self._replicated_masters = {
+            id(self.masters[i]) for i, member in enumerate(self.members) if member.spec.replicated
+        }
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def _members(self) -> list[ReducedParameter]:
+        in_optimizer = {id(parameter) for group in self.optimizer.param_groups for parameter in group["params"]}
+        members = []
+        for name, parameter in self.module.named_parameters():
+            if id(parameter) in in_optimizer and parameter.requires_grad:
+                members.append(
+                    ReducedParameter(name, parameter, shard_spec(parameter.shape, self.world_size, self.rank))
+                )
+        known = {id(member.parameter) for member in members}
+        strangers = len(in_optimizer - known)
+        if strangers:
+            raise ValueError(
+                f"The optimizer holds {strangers} tensor(s) that are not trainable parameters of the model: build it"
+                " in `configure_optimizers` from `self.parameters()` (or named subsets of them)."
+            )
+        return members
+
+    def _broadcast_parameters(self) -> None:
+        # Replicas must start identical, as DDP guarantees at wrap time.
+        with torch.no_grad():
+            for member in self.members:
+                collectives.broadcast_tensor(member.parameter.data, source_rank=0, group=self.process_group)
+
+    def _allocate_masters(self) -> tuple[Tensor | None, Tensor | None]:
+        if self.masters_alias_parameters:
+            return None, None
+        total = sum(member.spec.local_numel for member in self.members)
+        pin = self.offload_device.type == "cpu" and self.compute_device.type == "cuda"
+        masters = torch.empty(total, dtype=torch.float32, device=self.offload_device, pin_memory=pin)
+        gradients = torch.zeros(total, dtype=torch.float32, device=self.offload_device, pin_memory=pin)
+        return masters, gradients
+
+    def _master_view(self, index: int, member: ReducedParameter) -> Tensor:
+        owned = _owned_rows(member.parameter.data, member)
+        if self.master_buffer is None:
+            return owned
+        offset = sum(other.spec.local_numel for other in self.members[:index])
+        master = self.master_buffer[offset : offset + member.spec.local_numel].view(member.spec.local_shape)
+        master.copy_(owned)
+        return master
+
+    def _replace_optimizer_parameters(self) -> None:
+        if self.optimizer.state:
+            raise ValueError(
+                "The optimizer already has state (it stepped before the strategy set it up): return a fresh optimizer"
+                " from `configure_optimizers`."
+            )
+        master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
+        for group in self.optimizer.param_groups:
+            group["params"] = [master_of[id(parameter)] for parameter in group["params"]]
+
+    # ---------------------------------------------------------------------------------------------- step
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside: a non-final micro-batch of gradient accumulation (what it skips depends on stage and mode)."""
+        self.reducer.blocked = True
+        try:
+            yield
+        finally:
+            self.reducer.blocked = False
+
+    def _attach_master_gradients(self) -> None:
+        """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows."""
+        offset = 0
+        for member, master in zip(self.members, self.masters, strict=True):
+            gradient = self.reducer.owned_gradient(member)
+            if self.master_gradient_buffer is None:
+                master.grad = gradient
+            else:
+                numel = member.spec.local_numel
+                target = self.master_gradient_buffer[offset : offset + numel].view(member.spec.local_shape)
+                target.copy_(gradient, non_blocking=True)
+                master.grad = target
+                offset += numel
+        if self.master_gradient_buffer is not None and self.compute_device.type == "cuda":
+            torch.cuda.current_stream(self.compute_device).synchronize()  # the optimizer reads them on the host
+
+    def after_step(self, stepped: bool) -> None:
+        """Publish the step's result to every replica, then clear gradients for the next step."""
+        if stepped:
+            with torch.no_grad():
+                if self.master_buffer is not None:
+                    for member, master in zip(self.members, self.masters, strict=True):
+                        _owned_rows(member.parameter.data, member).copy_(master, non_blocking=True)
+                self.sync_parameters()
+        self.reducer.zero_gradients()
+        if self.master_gradient_buffer is not None:
+            self.master_gradient_buffer.zero_()
+
+    def sync_parameters(self) -> None:
+        """Give every rank the rows the other ranks own (see [Note: parameter exchange per backend])."""
+        for dtype in dict.fromkeys(member.parameter.dtype for member in self.members):
+            members = [member for member in self.members if member.parameter.dtype == dtype]
+            if self.world_size == 1:
+                continue
+            if self.reducer.use_reduce_scatter:
+                self._all_gather_parameters(members, dtype)
+            else:
+                self._all_reduce_parameters(members, dtype)
+
+    def _all_reduce_parameters(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
+        full = torch.zeros(sum(member.parameter.numel() for member in members), dtype=dtype, device=self.compute_device)
+        offset = 0
+        for member in members:
+            parameter, spec = member.parameter.data, member.spec
+            region = full[offset : offset + parameter.numel()]
+            if spec.replicated:
+                if self.rank == 0:  # identical everywhere; one copy in the sum
+                    region.copy_(parameter.reshape(-1))
+            elif spec.local_numel:
+                start = spec.row_start * spec.row_numel
+                region[start : start + spec.local_numel].copy_(parameter.reshape(-1)[start : start + spec.local_numel])
+            offset += parameter.numel()
+        collectives.all_reduce(full, op="sum", group=self.process_group)
+        offset = 0
+        for member in members:
+            parameter = member.parameter.data
+            parameter.copy_(full[offset : offset + parameter.numel()].view_as(parameter))
+            offset += parameter.numel()
+
+    def _all_gather_parameters(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
+        slot = sum(member.spec.slot_numel for member in members)
+        send = torch.zeros(slot, dtype=dtype, device=self.compute_device)
+        offset = 0
+        for member in members:
+            if member.spec.local_numel:
+                send[offset : offset + member.spec.local_numel].copy_(
+                    _owned_rows(member.parameter.data, member).reshape(-1)
+                )
+            offset += member.spec.slot_numel
+        gathered = torch.empty(self.world_size * slot, dtype=dtype, device=self.compute_device)
+        collectives.all_gather_into(gathered, send, group=self.process_group)
+        slots = gathered.view(self.world_size, slot)
+        offset = 0
+        for member in members:
+            spec, parameter = member.spec, member.parameter.data
+            if not spec.replicated:
+                rows = parameter.view(spec.num_rows, spec.row_numel)
+                for rank in range(self.world_size):
+                    start, end = spec.rows_of(rank)
+                    if end > start:
+                        rows[start:end].copy_(
+                            slots[rank, offset : offset + (end - start) * spec.row_numel].view(end - start, -1)
+                        )
+            offset += spec.slot_numel
+
+    # ---------------------------------------------------------------------------------------------- clipping
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
+        gradients = [master.grad for master in self.masters if master.grad is not None]
+        squares = torch.zeros((), dtype=torch.float64, device=self.offload_device)
+        for master in self.masters:
+            if master.grad is None or master.grad.numel() == 0:
+                continue
+            if id(master) in self._replicated_masters and self.rank != 0:
+                continue  # held identically by every rank: count it once
+            squares += master.grad.double().pow(2).sum()
+        collectives.all_reduce(squares, op="sum", group=self.process_group)
+        norm = squares.sqrt().float()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if gradients:
+            torch._foreach_mul_(gradients, coefficient.to(gradients[0].device))
+        return norm
+
+    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
+        """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
+        for master in self.masters:
+            if master.grad is not None:
+                master.grad.clamp_(-clip_value, clip_value)
+
+    # ---------------------------------------------------------------------------------------------- accounting
+    def memory_report(self) -> ZeroMemoryReport:
+        def nbytes(tensor: Tensor | None) -> int:
+            return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+        parameters = list(self.module.parameters())
+        gradient_bytes = self.reducer.persistent_gradient_bytes() + nbytes(self.master_gradient_buffer)
+        state_bytes = sum(
+            nbytes(value)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, Tensor)
+        )
+        return ZeroMemoryReport(
+            parameter_bytes=sum(nbytes(parameter) for parameter in parameters),
+            gradient_bytes=gradient_bytes,
+            master_bytes=nbytes(self.master_buffer),
+            optimizer_state_bytes=state_bytes,
+            num_parameters=sum(parameter.numel() for parameter in parameters),
+        )
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def _as_global(self, local: Tensor, member: ReducedParameter) -> Tensor:
+        """Describe this rank's rows as a piece of the whole tensor (a DTensor sharded on dim 0)."""
+        if member.spec.replicated:
+            return local
+        shape = member.spec.shape
+        stride = tuple(math.prod(shape[index + 1 :]) for index in range(len(shape)))
+        return DTensor.from_local(local, self.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    def masters_by_name(self) -> dict[str, Tensor]:
+        """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
+        return {
+            member.name: self._as_global(master, member)
+            for member, master in zip(self.members, self.masters, strict=True)
+        }
+
+    def masters_to_parameters(self) -> None:
+        """After masters were loaded: write them into the parameters and re-synchronise the replicas."""
+        with torch.no_grad():
+            for member, master in zip(self.members, self.masters, strict=True):
+                _owned_rows(member.parameter.data, member).copy_(master)
+            self.sync_parameters()
+
+    def parameters_to_masters(self) -> None:
+        """After the parameters were loaded in full: refresh separate masters from them."""
+        if self.master_buffer is None:
+            return
+        with torch.no_grad():
+            for member, master in zip(self.members, self.masters, strict=True):
+                master.copy_(_owned_rows(member.parameter.data, member))
+
+    def optimizer_state_by_name(self) -> dict[str, Any]:
+        """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
+        self._initialise_optimizer_state()
+        member_of = {id(master): member for member, master in zip(self.members, self.masters, strict=True)}
+        state: dict[str, Any] = {}
+        param_groups = []
+        for group in self.optimizer.param_groups:
+            names = []
+            for master in group["params"]:
+                member = member_of[id(master)]
+                names.append(member.name)
+                state[member.name] = {
+                    key: self._as_global(value, member) if _is_shard_state(value, master) else value
+                    for key, value in self.optimizer.state[master].items()
+                }
+            param_groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": names})
+        return {"state": state, "param_groups": param_groups}
+
+    def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
+        """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
+        member_of = {member.name: (member, master) for member, master in zip(self.members, self.masters, strict=True)}
+        for name, entries in loaded["state"].items():
+            if name not in member_of:
+                continue
+            member, master = member_of[name]
+            live = self.optimizer.state[master]
+            for key, value in entries.items():
+                current = live.get(key)
+                if isinstance(value, DTensor):
+                    if current is None or value.to_local().data_ptr() != current.data_ptr():
+                        live[key] = value.to_local().to(master.device).clone()
+                elif isinstance(value, Tensor) and isinstance(current, Tensor) and _is_shard_state(current, master):
+                    current.copy_(_owned_rows(value, member) if value.shape == member.spec.shape else value)
+                elif isinstance(value, Tensor) and isinstance(current, Tensor):
+                    current.copy_(value)
+                else:
+                    live[key] = value
+        for group, saved in zip(self.optimizer.param_groups, loaded["param_groups"], strict=True):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+
+    def _initialise_optimizer_state(self) -> None:
+        """Create the optimizer's state tensors (a zero-learning-rate step on zero gradients), if it never stepped."""
+        if self.optimizer.state:
+            return
+        saved_gradients = [master.grad for master in self.masters]
+        for master in self.masters:
+            master.grad = torch.zeros_like(master)
+        learning_rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, learning_rate in zip(self.optimizer.param_groups, learning_rates, strict=True):
+            group["lr"] = learning_rate
+        for master, gradient in zip(self.masters, saved_gradients, strict=True):
+            master.grad = gradient
+
+    def remove(self) -> None:
+        self.reducer.remove_hooks()
+
+
+def _owned_rows(tensor: Tensor, member: ReducedParameter) -> Tensor:
+    spec = member.spec
+    if spec.replicated:
+        return tensor
+    return tensor[spec.row_start : spec.row_end]
+
+
+def _is_shard_state(value: Any, master: Tensor) -> bool:
+    """Optimizer state shaped like its parameter's shard (``exp_avg``), as opposed to scalars (``step``)."""
+    return isinstance(value, Tensor) and value.shape == master.shape and value.dim() > 0
+
+
+def _validate_optimizer(optimizer: Optimizer, config: ZeroConfig) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"ZeRO shards a torch.optim.Optimizer; got {type(optimizer).__name__}.")
+    if config.cpu_offload:
+        for group in optimizer.param_groups:
+            if group.get("capturable"):
+                raise ValueError(
+                    f"{type(optimizer).__name__}(capturable=True) steps only on an accelerator, but cpu_offload=True"
+                    " steps the optimizer on the CPU: drop capturable=True or turn cpu_offload off."
+                )
+            if group.get("fused") and type(optimizer).__name__ not in ("Adam", "AdamW", "SGD", "Adagrad"):
+                raise ValueError(
+                    f"{type(optimizer).__name__}(fused=True) has no CPU kernel but cpu_offload=True steps on the CPU:"
+                    " use foreach (the default) or turn cpu_offload off."
+                )
