@@ -136,8 +136,8 @@ class ZeroConfig:
                 " For stage 3 (sharded parameters) use `colossal_gemini` or `colossal_fsdp`; for plain data"
                 " parallelism use `colossal_ddp`."
             )
-        if not self.bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a positive size in MiB, e.g. 25.")
+        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
         if self.stage2_accumulation not in ("sharded", "local"):
             raise ValueError(f"stage2_accumulation={self.stage2_accumulation!r}: pass 'sharded' or 'local'.")
 

@@ -80,8 +80,8 @@ class ZeroStrategy(ColossalStrategy):
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
         return [
-            ("colossal_zero1", {"stage": 1}),
-            ("colossal_zero2", {"stage": 2}),
+            ("colossal_zero1", {"stage": 1, "cpu_offload": False}),
+            ("colossal_zero2", {"stage": 2, "cpu_offload": False}),
             ("colossal_zero1_offload", {"stage": 1, "cpu_offload": True}),
             ("colossal_zero2_offload", {"stage": 2, "cpu_offload": True}),
         ]
