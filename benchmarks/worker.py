@@ -96,7 +96,10 @@ class BenchmarkProbe(Callback):
     ) -> None:
         # global_step counts finished optimizer steps, so this is the last step's gradient.
         if trainer.global_step == self.total_steps - 1:
-            self.bytes["gradients"] = gradient_bytes(pl_module.parameters())
+            # Sharded engines keep reduced gradients on the optimizer's own tensors (ZeRO-2: this rank's rows);
+            # shared storage is counted once, so views of the same buffers are not double-counted.
+            stepped = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            self.bytes["gradients"] = gradient_bytes([*pl_module.parameters(), *stepped])
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         state_total, state_by_key = optimizer_state_bytes(trainer.optimizers)

@@ -121,6 +121,8 @@ class ZeroConfig:
         stage2_accumulation: with gradient accumulation under stage 2, ``"sharded"`` reduces every micro-batch into
             the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"`` accumulates full
             gradients and reduces once per step (stage-1 memory during accumulation, least communication).
+        communication: ``"auto"`` picks per backend (reduce-scatter + all-gather on NCCL, all-reduce on gloo,
+            where it is ~3x cheaper); ``"all_reduce"`` or ``"scatter_gather"`` force one (same results).
     """
 
     stage: int = 1
@@ -128,6 +130,7 @@ class ZeroConfig:
     bucket_size_mb: float = 25.0
     overlap_communication: bool = True
     stage2_accumulation: Literal["sharded", "local"] = "sharded"
+    communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto"
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -140,6 +143,8 @@ class ZeroConfig:
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
         if self.stage2_accumulation not in ("sharded", "local"):
             raise ValueError(f"stage2_accumulation={self.stage2_accumulation!r}: pass 'sharded' or 'local'.")
+        if self.communication not in ("auto", "all_reduce", "scatter_gather"):
+            raise ValueError(f"communication={self.communication!r}: pass 'auto', 'all_reduce' or 'scatter_gather'.")
 
 
 def validate_precision(precision: str) -> PrecisionName:

@@ -40,6 +40,7 @@ class ZeroStrategy(ColossalStrategy):
         overlap_communication: reduce buckets from gradient hooks while backward runs.
         stage2_accumulation: ``"sharded"`` (reduce every micro-batch, keep stage-2 memory; default) or
             ``"local"`` (accumulate full gradients, reduce once per step).
+        communication: ``"auto"`` (per backend), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
         process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
         cluster_environment: see ``ColossalStrategy``.
     """
@@ -51,6 +52,7 @@ class ZeroStrategy(ColossalStrategy):
         bucket_size_mb: float = 25.0,
         overlap_communication: bool = True,
         stage2_accumulation: Literal["sharded", "local"] = "sharded",
+        communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
@@ -74,6 +76,7 @@ class ZeroStrategy(ColossalStrategy):
             bucket_size_mb=bucket_size_mb,
             overlap_communication=overlap_communication,
             stage2_accumulation=stage2_accumulation,
+            communication=communication,
         )
         self.engine: ZeroEngine | None = None
 

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_colossal.config import ZeroConfig
 from lightning_colossal.distributed import collectives
 from lightning_colossal.zero.layout import shard_spec
-from lightning_colossal.zero.reducer import GradientReducer, ReducedParameter
+from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter
 
 
 class ZeroMemoryReport(NamedTuple):
@@ -39,6 +39,7 @@ class ZeroMemoryReport(NamedTuple):
     gradient_bytes: int
     master_bytes: int
     optimizer_state_bytes: int
+    bucket_bytes: int
     num_parameters: int
 
 
@@ -80,6 +81,11 @@ class ZeroEngine:
         self.masters = [self._master_view(index, member) for index, member in enumerate(self.members)]
         self._replace_optimizer_parameters()
         bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
+        if config.communication == "auto":
+            # See [Note: parameter exchange per backend]; reducer.py's [Note: collective per backend] for gradients.
+            self.use_scatter_gather = collectives.backend(self.process_group) not in ("gloo", "none")
+        else:
+            self.use_scatter_gather = config.communication == "scatter_gather"
         self.reducer = GradientReducer(
             self.members,
             stage=config.stage,
@@ -87,6 +93,7 @@ class ZeroEngine:
             bucket_numel=bucket_numel,
             overlap=config.overlap_communication,
             accumulate_locally=config.stage2_accumulation == "local",
+            use_reduce_scatter=self.use_scatter_gather,
             device=compute_device,
             on_finished=self._attach_master_gradients,
         )
@@ -185,20 +192,30 @@ class ZeroEngine:
             self.master_gradient_buffer.zero_()
 
     def sync_parameters(self) -> None:
-        """Give every rank the rows the other ranks own (see [Note: parameter exchange per backend])."""
-        for dtype in dict.fromkeys(member.parameter.dtype for member in self.members):
-            members = [member for member in self.members if member.parameter.dtype == dtype]
-            if self.world_size == 1:
-                continue
-            if self.reducer.use_reduce_scatter:
-                self._all_gather_parameters(members, dtype)
-            else:
-                self._all_reduce_parameters(members, dtype)
+        """Give every rank the rows the other ranks own (see [Note: parameter exchange per backend]).
 
-    def _all_reduce_parameters(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
-        full = torch.zeros(sum(member.parameter.numel() for member in members), dtype=dtype, device=self.compute_device)
+        Works bucket by bucket in buffers the reducer already has: stage 1's gradient buffers (their contents are
+        spent once the step ran; ``after_step`` zeroes them next) or stage 2's pooled staging buffers.
+        """
+        if self.world_size == 1:
+            return
+        for bucket in self.reducer.buckets:
+            if self.use_scatter_gather:
+                self._all_gather_bucket(bucket.members, bucket.dtype)
+            else:
+                self._all_reduce_bucket(bucket)
+
+    def _all_reduce_bucket(self, bucket: Bucket) -> None:
+        total = sum(member.parameter.numel() for member in bucket.members)
+        pooled = bucket.gradients is None
+        buffer = (
+            self.reducer.acquire(bucket.dtype, self.world_size * bucket.numel)
+            if bucket.gradients is None
+            else bucket.gradients
+        )
+        full = buffer[:total].zero_()
         offset = 0
-        for member in members:
+        for member in bucket.members:
             parameter, spec = member.parameter.data, member.spec
             region = full[offset : offset + parameter.numel()]
             if spec.replicated:
@@ -210,14 +227,16 @@ class ZeroEngine:
             offset += parameter.numel()
         collectives.all_reduce(full, op="sum", group=self.process_group)
         offset = 0
-        for member in members:
+        for member in bucket.members:
             parameter = member.parameter.data
             parameter.copy_(full[offset : offset + parameter.numel()].view_as(parameter))
             offset += parameter.numel()
+        if pooled:
+            self.reducer.release(buffer)
 
-    def _all_gather_parameters(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
+    def _all_gather_bucket(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
         slot = sum(member.spec.slot_numel for member in members)
-        send = torch.zeros(slot, dtype=dtype, device=self.compute_device)
+        send = self.reducer.acquire(dtype, slot).zero_()
         offset = 0
         for member in members:
             if member.spec.local_numel:
@@ -225,7 +244,7 @@ class ZeroEngine:
                     _owned_rows(member.parameter.data, member).reshape(-1)
                 )
             offset += member.spec.slot_numel
-        gathered = torch.empty(self.world_size * slot, dtype=dtype, device=self.compute_device)
+        gathered = self.reducer.acquire(dtype, self.world_size * slot)
         collectives.all_gather_into(gathered, send, group=self.process_group)
         slots = gathered.view(self.world_size, slot)
         offset = 0
@@ -240,6 +259,8 @@ class ZeroEngine:
                             slots[rank, offset : offset + (end - start) * spec.row_numel].view(end - start, -1)
                         )
             offset += spec.slot_numel
+        self.reducer.release(send)
+        self.reducer.release(gathered)
 
     # ---------------------------------------------------------------------------------------------- clipping
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
@@ -272,6 +293,8 @@ class ZeroEngine:
 
         parameters = list(self.module.parameters())
         gradient_bytes = self.reducer.persistent_gradient_bytes() + nbytes(self.master_gradient_buffer)
+        # Reusable communication buffers: a few buckets, whatever the model size (reducer [Note: bounded staging]).
+        bucket_bytes = self.reducer.pooled_bytes()
         state_bytes = sum(
             nbytes(value)
             for state in self.optimizer.state.values()
@@ -283,6 +306,7 @@ class ZeroEngine:
             gradient_bytes=gradient_bytes,
             master_bytes=nbytes(self.master_buffer),
             optimizer_state_bytes=state_bytes,
+            bucket_bytes=bucket_bytes,
             num_parameters=sum(parameter.numel() for parameter in parameters),
         )
 

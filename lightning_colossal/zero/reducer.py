@@ -15,10 +15,18 @@ Stage 1 keeps full-size gradients (parameters' ``.grad`` are views into one buff
 them, communicating only on the last micro-batch of an accumulation. Stage 2 copies each gradient into a
 rank-major staging buffer as soon as autograd produced it, frees it, and adds the reduced slot into a persistent
 fp32 accumulator of this rank's rows only.
+
+[Note: bounded staging]
+Stage 2's staging buffers come from a small pool and go back to it once their bucket is reduced; at most
+``MAX_STAGE2_BUCKETS_IN_FLIGHT`` buckets wait on the network at once (launching another retires the oldest).
+So stage 2 holds a few buckets of staging memory, independent of the model size, and allocates nothing per step:
+on CPU a fresh zeroed buffer of the model's size costs page faults every step, measurably more than the
+communication it feeds.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +35,8 @@ from torch.distributed import ProcessGroup, Work
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.zero.layout import ShardSpec, plan_buckets
+
+MAX_STAGE2_BUCKETS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -63,6 +73,7 @@ class GradientReducer:
         bucket_numel: int,
         overlap: bool,
         accumulate_locally: bool,
+        use_reduce_scatter: bool,
         device: torch.device,
         on_finished: Callable[[], None],
     ) -> None:
@@ -73,7 +84,7 @@ class GradientReducer:
         self.rank = collectives.rank(process_group)
         self.overlap = overlap
         self.accumulate_locally = accumulate_locally
-        self.use_reduce_scatter = collectives.backend(process_group) not in ("gloo", "none")
+        self.use_reduce_scatter = use_reduce_scatter
         self.device = device
         # Backward produces gradients roughly in reverse registration order; buckets follow it to fill early.
         ordered = list(reversed(members))
@@ -84,6 +95,8 @@ class GradientReducer:
             for indices in plan_buckets(sizes, bucket_numel):
                 self._add_bucket([same_dtype[index] for index in indices], dtype)
         self.accumulator = self._allocate_accumulator(members) if stage == 2 else None
+        self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._in_flight: deque[Bucket] = deque()
         self.blocked = False  # inside Lightning's block_backward_sync() on a non-final micro-batch
         self._callback_queued = False
         self._next_to_launch = 0
@@ -124,14 +137,25 @@ class GradientReducer:
         """This rank's reduced gradient rows of ``member`` (valid after ``finish`` ran for this backward)."""
         spec = member.spec
         if self.stage == 1:
-            gradient = member.parameter.grad
-            assert gradient is not None
+            gradient = self._bucket_view(member)
             if spec.replicated:
                 return gradient
             return gradient[spec.row_start : spec.row_end]
         assert self.accumulator is not None
         flat = self.accumulator[member.accumulator_offset : member.accumulator_offset + spec.local_numel]
         return flat.view(spec.local_shape)
+
+    def acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A buffer from the pool (uninitialised); give it back with ``release``."""
+        free = self._pool.setdefault((dtype, numel), [])
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.device)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self._pool[(buffer.dtype, buffer.numel())].append(buffer)
+
+    def pooled_bytes(self) -> int:
+        """Bytes of the reusable communication buffers (a few buckets, see [Note: bounded staging])."""
+        return sum(buffer.numel() * buffer.element_size() for free in self._pool.values() for buffer in free)
 
     def persistent_gradient_bytes(self) -> int:
         if self.stage == 1:
@@ -176,11 +200,18 @@ class GradientReducer:
         if self.overlap:
             self._launch_ready_buckets()
 
+    def _bucket_view(self, member: ReducedParameter) -> torch.Tensor:
+        """Stage 1: the slice of the bucket buffer holding ``member``'s full gradient."""
+        bucket = self.buckets[member.bucket_index]
+        assert bucket.gradients is not None
+        parameter = member.parameter
+        return bucket.gradients[member.bucket_offset : member.bucket_offset + parameter.numel()].view_as(parameter)
+
     def _keep_in_bucket(self, member: ReducedParameter, bucket: Bucket) -> None:
         """Stage 1: if something replaced ``.grad`` (e.g. ``zero_grad(set_to_none=True)`` on the module), put it back."""
         parameter = member.parameter
-        assert bucket.gradients is not None and parameter.grad is not None
-        view = bucket.gradients[member.bucket_offset : member.bucket_offset + parameter.numel()].view_as(parameter)
+        assert parameter.grad is not None
+        view = self._bucket_view(member)
         if parameter.grad.data_ptr() != view.data_ptr():
             view.copy_(parameter.grad)
             parameter.grad = view
@@ -191,7 +222,7 @@ class GradientReducer:
         gradient = parameter.grad
         assert gradient is not None
         if bucket.gradients is None:
-            bucket.gradients = torch.zeros(self.world_size * bucket.numel, dtype=bucket.dtype, device=self.device)
+            bucket.gradients = self.acquire(bucket.dtype, self.world_size * bucket.numel).zero_()
         spec = member.spec
         slots = bucket.gradients.view(self.world_size, bucket.numel)
         if spec.replicated:
@@ -218,22 +249,34 @@ class GradientReducer:
 
     def _launch(self, bucket: Bucket) -> None:
         if bucket.gradients is None:  # stage 2, no member got a gradient on this rank
-            bucket.gradients = torch.zeros(self.world_size * bucket.numel, dtype=bucket.dtype, device=self.device)
+            bucket.gradients = self.acquire(bucket.dtype, self.world_size * bucket.numel).zero_()
         if self.stage == 2 and self.use_reduce_scatter:
-            bucket.received = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
+            bucket.received = self.acquire(bucket.dtype, bucket.numel)
             bucket.work = collectives.reduce_scatter_async(bucket.received, bucket.gradients, self.process_group)
         else:
             bucket.work = collectives.all_reduce_async(bucket.gradients, self.process_group)
+        self._in_flight.append(bucket)
+        if self.stage == 2:
+            while len(self._in_flight) > MAX_STAGE2_BUCKETS_IN_FLIGHT:
+                self._retire(self._in_flight.popleft())
+
+    def _retire(self, bucket: Bucket) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        self._complete(bucket)
 
     def finish(self) -> None:
         """End of backward: launch what is left (in order), wait, and average into the reduced gradients."""
         self._launch_ready_buckets(force=True)
+        while self._in_flight:
+            self._retire(self._in_flight.popleft())
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            self._complete(bucket)
-            bucket.work = None
             bucket.pending = len(bucket.members)
+            if self.stage == 1:
+                for member in bucket.members:
+                    # Parameters without a gradient this step never passed the hook; point them at their slot too.
+                    member.parameter.grad = self._bucket_view(member)
         self._next_to_launch = 0
         self._callback_queued = False
         self.on_finished()
@@ -253,8 +296,11 @@ class GradientReducer:
             if numel == 0:
                 continue
             target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
-            target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel].float() / self.world_size)
-        # The staging buffer is transient: stage 2 keeps only this rank's rows between backward passes.
+            target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0 / self.world_size)
+        # Staging goes back to the pool: stage 2 keeps only this rank's rows between backward passes.
+        self.release(bucket.gradients)
+        if bucket.received is not None:
+            self.release(bucket.received)
         bucket.gradients = None
         bucket.received = None
 
