@@ -64,7 +64,7 @@ def bf16_true_body(path: str) -> dict[str, Any]:
     trainer.fit(module)
     trainer.save_checkpoint(path)
     engine = trainer.strategy.engine
-    masters = {member.name: master.detach().clone() for member, master in zip(engine.members, engine.masters)}
+    masters = {member.name: master.detach().clone() for member, master in zip(engine.members, engine.masters, strict=True)}
     return {
         "parameters": float_state(module),
         "parameter_dtype": str(module.model.input.weight.dtype),
