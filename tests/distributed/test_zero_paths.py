@@ -59,12 +59,17 @@ def test_scatter_gather_on_four_ranks_with_empty_shards(rank_pool_4):
 def bf16_true_body(path: str) -> dict[str, Any]:
     module = new_module()
     trainer = quiet_trainer(
-        strategy=ZeroStrategy(stage=2), devices=torch.distributed.get_world_size(), max_steps=STEPS, precision="bf16-true"
+        strategy=ZeroStrategy(stage=2),
+        devices=torch.distributed.get_world_size(),
+        max_steps=STEPS,
+        precision="bf16-true",
     )
     trainer.fit(module)
     trainer.save_checkpoint(path)
     engine = trainer.strategy.engine
-    masters = {member.name: master.detach().clone() for member, master in zip(engine.members, engine.masters, strict=True)}
+    masters = {
+        member.name: master.detach().clone() for member, master in zip(engine.members, engine.masters, strict=True)
+    }
     return {
         "parameters": float_state(module),
         "parameter_dtype": str(module.model.input.weight.dtype),
