@@ -184,6 +184,42 @@ def _rank_micro_batches(dataset: TensorDataset, world_size: int, batch_size: int
         epoch += 1
 
 
+def train_and_record(
+    strategy: Any,
+    steps: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    clip_algorithm: str = "norm",
+    precision: str = "32-true",
+) -> dict[str, Any]:
+    """Rank body helper: train ``new_module()`` with ``strategy`` and return its micro-batch losses and weights."""
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=torch.distributed.get_world_size(),
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=clip_algorithm,
+        precision=precision,
+    )
+    trainer.fit(module)
+    assert trainer.global_step == steps
+    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
+
+
+def assert_matches_oracle(
+    results: Sequence[dict[str, Any]], oracle: OracleResult, accumulate: int, rtol: float, atol: float
+) -> None:
+    """Per-step losses and final weights of every rank match the oracle; all replicas hold identical weights."""
+    losses = step_losses_from_ranks([result["losses"] for result in results], accumulate)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle.step_losses), rtol=rtol, atol=atol)
+    for result in results:
+        torch.testing.assert_close(result["parameters"], oracle.parameters, rtol=rtol, atol=atol)
+    for result in results[1:]:
+        torch.testing.assert_close(result["parameters"], results[0]["parameters"], rtol=0, atol=0)
+
+
 def step_losses_from_ranks(rank_losses: Sequence[Sequence[float]], accumulate: int) -> list[float]:
     """Mean over ranks and micro-batches of each optimizer step's micro-batch losses."""
     world_size = len(rank_losses)

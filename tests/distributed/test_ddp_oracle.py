@@ -10,11 +10,13 @@ import torch
 from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
 from tests.distributed.oracle import (
     RegressionModule,
+    assert_matches_oracle,
     float_state,
     new_module,
     oracle_train,
     quiet_trainer,
     step_losses_from_ranks,
+    train_and_record,
 )
 
 STEPS = 4
@@ -28,26 +30,8 @@ def train_ddp_body(
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    world_size = torch.distributed.get_world_size()
-    module = new_module()
-    trainer = quiet_trainer(
-        strategy=ColossalDDPStrategy(**(strategy_kwargs or {})),
-        devices=world_size,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        gradient_clip_algorithm=clip_algorithm,
-        precision=precision,
-    )
-    trainer.fit(module)
-    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
-
-
-def _assert_matches_oracle(results, oracle, accumulate, rtol, atol):
-    losses = step_losses_from_ranks([result["losses"] for result in results], accumulate)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle.step_losses), rtol=rtol, atol=atol)
-    for result in results:
-        torch.testing.assert_close(result["parameters"], oracle.parameters, rtol=rtol, atol=atol)
+    strategy = ColossalDDPStrategy(**(strategy_kwargs or {}))
+    return train_and_record(strategy, steps, accumulate, clip, clip_algorithm, precision)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +48,7 @@ def test_fp32_matches_oracle(rank_pool_2, accumulate, clip, clip_algorithm):
         clip_norm=clip if clip_algorithm == "norm" else None,
         clip_value=clip if clip_algorithm == "value" else None,
     )
-    _assert_matches_oracle(results, oracle, accumulate, rtol=1e-5, atol=1e-6)
+    assert_matches_oracle(results, oracle, accumulate, rtol=1e-5, atol=1e-6)
     initial = float_state(new_module())
     moved = max((results[0]["parameters"][name] - initial[name]).abs().max().item() for name in initial)
     assert moved > 1e-3, "the parameters did not train: the comparison would prove nothing"
@@ -72,13 +56,13 @@ def test_fp32_matches_oracle(rank_pool_2, accumulate, clip, clip_algorithm):
 
 def test_fp32_four_ranks_with_accumulation(rank_pool_4):
     results = rank_pool_4.run(train_ddp_body, 2, 2, 0.05)
-    _assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, 1e-5, 1e-6)
+    assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, 1e-5, 1e-6)
 
 
 def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
     results = rank_pool_2.run(train_ddp_body, STEPS, 2, None, "norm", "bf16-mixed")
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, autocast_dtype=torch.bfloat16)
-    _assert_matches_oracle(results, oracle, 2, rtol=2e-2, atol=2e-3)
+    assert_matches_oracle(results, oracle, 2, rtol=2e-2, atol=2e-3)
     assert results[0]["parameters"]["model.input.weight"].dtype == torch.float32
 
 
@@ -86,7 +70,7 @@ def test_bf16_true_keeps_bf16_weights_and_matches_a_bf16_oracle(rank_pool_2):
     results = rank_pool_2.run(train_ddp_body, STEPS, 1, None, "norm", "bf16-true")
     oracle = oracle_train(world_size=2, steps=STEPS, parameter_dtype=torch.bfloat16)
     # float_state() upcasts for comparison; bf16 weights after a few Adam steps agree to bf16 resolution.
-    _assert_matches_oracle(results, oracle, 1, rtol=2e-2, atol=1e-2)
+    assert_matches_oracle(results, oracle, 1, rtol=2e-2, atol=1e-2)
 
 
 class ManualModule(RegressionModule):
@@ -120,7 +104,7 @@ def manual_optimization_body() -> dict[str, Any]:
 
 def test_manual_optimization_matches_oracle(rank_pool_2):
     results = rank_pool_2.run(manual_optimization_body)
-    _assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, clip_norm=0.05), 1, rtol=1e-5, atol=1e-6)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, clip_norm=0.05), 1, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])

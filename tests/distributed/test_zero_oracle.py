@@ -17,11 +17,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning_colossal import ColossalPrecision, LossScalerConfig, ZeroStrategy
 from tests.distributed.oracle import (
     RegressionModule,
+    assert_matches_oracle,
     float_state,
     new_module,
     oracle_train,
     quiet_trainer,
-    step_losses_from_ranks,
+    train_and_record,
 )
 from tests.distributed.test_zero_memory import owned_numel
 
@@ -37,30 +38,8 @@ def train_zero_body(
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    world_size = torch.distributed.get_world_size()
-    module = new_module()
-    trainer = quiet_trainer(
-        strategy=ZeroStrategy(**(strategy_kwargs or {})),
-        devices=world_size,
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        gradient_clip_algorithm=clip_algorithm,
-        precision=precision,
-    )
-    trainer.fit(module)
-    assert trainer.global_step == steps
-    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
-
-
-def _assert_matches_oracle(results: list[dict[str, Any]], oracle: Any, accumulate: int, rtol: float, atol: float):
-    losses = step_losses_from_ranks([result["losses"] for result in results], accumulate)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle.step_losses), rtol=rtol, atol=atol)
-    for result in results:
-        torch.testing.assert_close(result["parameters"], oracle.parameters, rtol=rtol, atol=atol)
-    for result in results[1:]:
-        # All-gathered after every step: every rank holds the very same weights.
-        torch.testing.assert_close(result["parameters"], results[0]["parameters"], rtol=0, atol=0)
+    strategy = ZeroStrategy(**(strategy_kwargs or {}))
+    return train_and_record(strategy, steps, accumulate, clip, clip_algorithm, precision)
 
 
 def _assert_trained(parameters: dict[str, torch.Tensor]) -> None:
@@ -81,7 +60,7 @@ def _assert_clipping_matters(steps: int, accumulate: int, **clip: float) -> None
 def test_fp32_matches_oracle(rank_pool_2, stage, cpu_offload):
     strategy_kwargs = {"stage": stage, "cpu_offload": cpu_offload}
     results = rank_pool_2.run(train_zero_body, STEPS, 1, None, "norm", "32-true", strategy_kwargs)
-    _assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), 1, **FP32)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), 1, **FP32)
     _assert_trained(results[0]["parameters"])
 
 
@@ -99,14 +78,14 @@ def test_fp32_matches_oracle(rank_pool_2, stage, cpu_offload):
 def test_accumulation_with_clip_by_norm_matches_oracle(rank_pool_2, strategy_kwargs, accumulate):
     results = rank_pool_2.run(train_zero_body, STEPS, accumulate, 0.05, "norm", "32-true", strategy_kwargs)
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=accumulate, clip_norm=0.05)
-    _assert_matches_oracle(results, oracle, accumulate, **FP32)
+    assert_matches_oracle(results, oracle, accumulate, **FP32)
     _assert_clipping_matters(STEPS, accumulate, clip_norm=0.05)
 
 
 def test_clip_by_value_matches_oracle(rank_pool_2):
     results = rank_pool_2.run(train_zero_body, STEPS, 2, 0.01, "value", "32-true", {"stage": 2})
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_value=0.01)
-    _assert_matches_oracle(results, oracle, 2, **FP32)
+    assert_matches_oracle(results, oracle, 2, **FP32)
     _assert_clipping_matters(STEPS, 2, clip_value=0.01)
 
 
@@ -114,13 +93,13 @@ def test_four_ranks_with_empty_shards_and_accumulation(rank_pool_4):
     # With 4 ranks, model.output.weight (1 x 32) and model.output.bias (1,) live on rank 0 alone: ranks 1-3 hold
     # empty shards of them, and must still take part in every collective.
     results = rank_pool_4.run(train_zero_body, 2, 2, 0.05, "norm", "32-true", {"stage": 2})
-    _assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
+    assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
 
 
 def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
     results = rank_pool_2.run(train_zero_body, STEPS, 2, None, "norm", "bf16-mixed", {"stage": 2})
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, autocast_dtype=torch.bfloat16)
-    _assert_matches_oracle(results, oracle, 2, rtol=2e-2, atol=2e-3)
+    assert_matches_oracle(results, oracle, 2, rtol=2e-2, atol=2e-3)
     _assert_trained(results[0]["parameters"])
 
 
@@ -137,7 +116,7 @@ def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
 def test_communication_settings_still_match_oracle(rank_pool_2, strategy_kwargs):
     # 0.001 MiB is about 262 fp32 elements: most parameters get a bucket of their own, several buckets per step.
     results = rank_pool_2.run(train_zero_body, STEPS, 2, 0.05, "norm", "32-true", strategy_kwargs)
-    _assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
 
 
 def fp16_overflow_body(overflow_at_step: int) -> dict[str, Any]:
@@ -207,7 +186,7 @@ def test_string_name_resolves_and_trains(rank_pool_2):
         # Stage 2: only this rank's gradient rows, once on the compute device and once (offload) on the host.
         assert report["gradient_bytes"] == 2 * result["owned_bytes"], (report, result["owned_bytes"])
         assert report["master_bytes"] == result["owned_bytes"], "cpu_offload keeps an fp32 master of the owned rows"
-    _assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), 1, **FP32)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), 1, **FP32)
 
 
 class ManualModule(RegressionModule):

@@ -18,23 +18,14 @@ from tests.distributed.oracle import (
     oracle_train,
     quiet_trainer,
     step_losses_from_ranks,
+    train_and_record,
 )
 
 STEPS = 4
 
 
-def train_body(strategy_kwargs: dict[str, Any], accumulate: int = 1, precision: str = "32-true") -> dict[str, Any]:
-    module = new_module()
-    trainer = quiet_trainer(
-        strategy=ZeroStrategy(**strategy_kwargs),
-        devices=torch.distributed.get_world_size(),
-        max_steps=STEPS,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=0.05,
-        precision=precision,
-    )
-    trainer.fit(module)
-    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
+def train_body(strategy_kwargs: dict[str, Any], accumulate: int = 1) -> dict[str, Any]:
+    return train_and_record(ZeroStrategy(**strategy_kwargs), STEPS, accumulate, clip=0.05)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -6,17 +6,15 @@ Each test runs a fresh interpreter so the process group and CUDA context never l
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fresh_interpreter import run_script
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
@@ -47,15 +45,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path: Path, *arguments: str) -> str:
-    script = tmp_path / "cuda_run.py"
-    script.write_text(SCRIPT)
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT)}
-    environment.pop("LOCAL_RANK", None)
-    result = subprocess.run(
-        [sys.executable, str(script), *arguments], env=environment, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return result.stdout
+    return run_script(tmp_path, SCRIPT, *arguments)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])

@@ -7,35 +7,18 @@ else multi-process runs in the rank pool.
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from lightning_colossal.checkpoint import is_sharded_checkpoint
+from tests.fresh_interpreter import run_python
 
-REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _run(arguments: list[str], directory: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
-    environment.pop("LOCAL_RANK", None)  # a set LOCAL_RANK would tell Lightning the processes already exist
-    return subprocess.run(
-        [sys.executable, *arguments],
-        cwd=directory,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_demo_cli_trains_on_two_cpu_processes_and_checkpoints(tmp_path):
-    result = _run(
+    result = run_python(
         [
             "-m",
             "lightning_colossal.demo",
@@ -99,6 +82,6 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
 def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     script = tmp_path / "notebook_run.py"
     script.write_text(NOTEBOOK_SCRIPT)
-    result = _run([str(script), strategy], tmp_path)
+    result = run_python([str(script), strategy], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "weights returned to the parent changed by" in result.stdout

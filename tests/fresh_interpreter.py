@@ -1,0 +1,33 @@
+"""Running Python in a fresh interpreter, for tests that must not share the pytest process's state.
+
+Launcher and CUDA tests start their own processes (Lightning's launchers, a CUDA context, a process group) that
+would leak into the pytest process or the rank pool. ``LOCAL_RANK`` is removed from the child's environment: set,
+it would tell Lightning that the processes already exist and nothing should be launched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(arguments: list[str], directory: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``python *arguments`` in ``directory`` with the repository importable; output is captured as text."""
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
+    environment.pop("LOCAL_RANK", None)
+    return subprocess.run(
+        [sys.executable, *arguments], cwd=directory, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_script(directory: Path, source: str, *arguments: str, timeout: float = 600) -> str:
+    """Write ``source`` to a script in ``directory``, run it with ``arguments``, assert success, return stdout."""
+    script = directory / "fresh_interpreter_script.py"
+    script.write_text(source)
+    result = run_python([str(script), *arguments], directory, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout
