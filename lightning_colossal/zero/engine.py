@@ -78,7 +78,12 @@ class ZeroEngine:
             member.parameter.dtype == torch.float32 for member in self.members
         )
         self.master_buffer, self.master_gradient_buffer = self._allocate_masters()
-        self.masters = [self._master_view(index, member) for index, member in enumerate(self.members)]
+        offsets = [0]
+        for member in self.members:
+            offsets.append(offsets[-1] + member.spec.local_numel)
+        self.masters = [
+            self._master_view(offset, member) for offset, member in zip(offsets[:-1], self.members, strict=True)
+        ]
         self._replace_optimizer_parameters()
         bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
         if config.communication == "auto":
@@ -134,11 +139,10 @@ class ZeroEngine:
         gradients = torch.zeros(total, dtype=torch.float32, device=self.offload_device, pin_memory=pin)
         return masters, gradients
 
-    def _master_view(self, index: int, member: ReducedParameter) -> Tensor:
+    def _master_view(self, offset: int, member: ReducedParameter) -> Tensor:
         owned = _owned_rows(member.parameter.data, member)
         if self.master_buffer is None:
             return owned
-        offset = sum(other.spec.local_numel for other in self.members[:index])
         master = self.master_buffer[offset : offset + member.spec.local_numel].view(member.spec.local_shape)
         master.copy_(owned)
         return master
@@ -266,13 +270,18 @@ class ZeroEngine:
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
         gradients = [master.grad for master in self.masters if master.grad is not None]
+        # Replicated (zero-dimensional) parameters are held identically by every rank: count them on rank 0 only.
+        counted = [
+            master.grad
+            for master in self.masters
+            if master.grad is not None
+            and master.grad.numel()
+            and (self.rank == 0 or id(master) not in self._replicated_masters)
+        ]
         squares = torch.zeros((), dtype=torch.float64, device=self.offload_device)
-        for master in self.masters:
-            if master.grad is None or master.grad.numel() == 0:
-                continue
-            if id(master) in self._replicated_masters and self.rank != 0:
-                continue  # held identically by every rank: count it once
-            squares += master.grad.double().pow(2).sum()
+        if counted:
+            # Per-tensor norms in one fused pass (as torch's clip_grad_norm_), summed in fp64 across shards and ranks.
+            squares += torch.stack(torch._foreach_norm(counted, 2.0)).double().pow(2).sum().to(squares.device)
         collectives.all_reduce(squares, op="sum", group=self.process_group)
         norm = squares.sqrt().float()
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
