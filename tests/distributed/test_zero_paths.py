@@ -128,3 +128,33 @@ def test_parameters_without_gradient_neither_hang_nor_desynchronise(rank_pool_2,
         oracle = oracle_train(world_size=2, steps=STEPS)
         used = {name: tensor for name, tensor in results[0]["parameters"].items() if not name.startswith("extra.")}
         torch.testing.assert_close(used, oracle.parameters, rtol=1e-5, atol=1e-6)
+
+
+def tied_gpt_body(strategy_name: str, stage: int) -> dict[str, torch.Tensor]:
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal import ColossalDDPStrategy
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from lightning_colossal.demo.module import GPTLightningModule
+
+    seed_everything(3, verbose=False)
+    module = GPTLightningModule(
+        vocab_size=64, block_size=16, num_layers=2, num_heads=2, embed_dim=32, tie_weights=True, warmup_steps=2
+    )
+    loader = DataLoader(RandomTokenDataset(num_samples=32, block_size=16, vocab_size=64, seed=5), batch_size=4)
+    strategy = ColossalDDPStrategy() if strategy_name == "ddp" else ZeroStrategy(stage=stage)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6)
+    trainer.fit(module, train_dataloaders=loader)
+    assert module.model is not None
+    assert module.model.lm_head.weight is module.model.token_embedding.weight
+    return float_state(module)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tied_weights_train_like_ddp(rank_pool_2, stage):
+    # The tied embedding/LM-head weight is one parameter with two names: sharded once, gradient from both uses.
+    reference = rank_pool_2.run(tied_gpt_body, "ddp", 0)[0]
+    results = rank_pool_2.run(tied_gpt_body, "zero", stage)
+    torch.testing.assert_close(results[0], reference, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

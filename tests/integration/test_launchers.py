@@ -78,7 +78,9 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("strategy", ["colossal_ddp_notebook", "spawn"], ids=["fork", "spawn"])
+@pytest.mark.parametrize(
+    "strategy", ["colossal_ddp_notebook", "spawn", "colossal_zero2_notebook"], ids=["fork", "spawn", "zero2-fork"]
+)
 def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     script = tmp_path / "notebook_run.py"
     script.write_text(NOTEBOOK_SCRIPT)
