@@ -243,6 +243,21 @@ class ColossalStrategy(ParallelStrategy):
                 " match the number of processes you launched."
             )
 
+    def _prepare_module(self, trainer: Any) -> bool:
+        """The start every mode's ``setup`` shares: accelerator, SyncBatchNorm (when fitting), precision, device.
+
+        Returns:
+            Whether the Trainer is fitting (engines wrap the model and build optimizers only then).
+        """
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        return fitting
+
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
         plugin = self.precision_plugin

@@ -18,7 +18,6 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -86,14 +85,8 @@ class ColossalDDPStrategy(ColossalStrategy):
 
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
+        fitting = self._prepare_module(trainer)
         assert self.model is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync is not None:
-            self.model = self._layer_sync.apply(self.model)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
         if fitting:
             self.model = self._wrap(self.model)
             # Optimizers are created after wrapping so they hold the parameters DDP registered its hooks on.

@@ -18,7 +18,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -91,13 +90,8 @@ class ZeroStrategy(ColossalStrategy):
 
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None and self.model is not None and self.lightning_module is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting and self._layer_sync is not None:
-            self.model = self._layer_sync.apply(self.model)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        fitting = self._prepare_module(trainer)
+        assert self.model is not None and self.lightning_module is not None
         if self.engine is not None:
             self.engine.remove()
             self.engine = None
