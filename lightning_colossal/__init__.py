@@ -8,7 +8,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_colossal.config import DDPConfig, LossScalerConfig, ZeroConfig
 from lightning_colossal.precision import ColossalPrecision, DynamicLossScaler
-from lightning_colossal.strategies import ALL_STRATEGIES, ColossalDDPStrategy, ColossalStrategy, ZeroStrategy
+from lightning_colossal.strategies import (
+    ALL_STRATEGIES,
+    ColossalDDPStrategy,
+    ColossalFSDPStrategy,
+    ColossalStrategy,
+    ZeroStrategy,
+)
 
 __version__ = "0.1.0"
 
@@ -23,6 +29,7 @@ register_strategies()
 
 __all__ = [
     "ColossalDDPStrategy",
+    "ColossalFSDPStrategy",
     "ColossalPrecision",
     "ColossalStrategy",
     "DDPConfig",

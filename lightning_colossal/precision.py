@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import LossScalerConfig, PrecisionName, validate_precision
@@ -88,8 +89,13 @@ class GradientClipper(Protocol):
 
 
 def optimizer_gradients(optimizer: Optimizer) -> list[Tensor]:
-    """The gradients of every parameter of ``optimizer`` that has one."""
-    return [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    """This rank's gradient tensors of every parameter of ``optimizer`` that has one.
+
+    Sharded (DTensor) gradients are returned as their local shards: the fused unscale kernel works on plain
+    tensors, and in-place changes to the shard are changes to the DTensor.
+    """
+    gradients = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+    return [gradient.to_local() if isinstance(gradient, DTensor) else gradient for gradient in gradients]
 
 
 class LocalGradientClipper:

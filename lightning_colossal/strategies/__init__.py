@@ -2,8 +2,9 @@
 
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
+from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
 from lightning_colossal.strategies.zero import ZeroStrategy
 
-ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy, ZeroStrategy)
+ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy, ZeroStrategy, ColossalFSDPStrategy)
 
-__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalStrategy", "ZeroStrategy"]
+__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalFSDPStrategy", "ColossalStrategy", "ZeroStrategy"]

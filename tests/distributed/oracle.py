@@ -118,7 +118,12 @@ def new_module(**kwargs: Any) -> RegressionModule:
 
 
 def float_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().float().cpu().clone() for name, tensor in module.state_dict().items()}
+    """Full fp32 copies of the module's state; sharded (DTensor) entries are gathered, so every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict()
+    full = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor for name, tensor in state.items()}
+    return {name: tensor.detach().float().cpu().clone() for name, tensor in full.items()}
 
 
 @dataclass

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_colossal"
-ENGINES = ("zero", "gemini", "parallel")
+ENGINES = ("zero", "gemini", "parallel", "fsdp")
 MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "checkpoint", "demo", "__init__.py")
 COLLECTIVES = {
     "all_reduce",
