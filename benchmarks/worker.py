@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch.utils.data import DataLoader
 
 import lightning_colossal  # noqa: F401  (registers the colossal_* strategy names)
@@ -44,8 +44,18 @@ class BenchmarkModule(LightningModule):
 
     def configure_model(self) -> None:
         # Built here so sharded strategies can build it inside their own init contexts; idempotent.
-        if self.model is None:
-            self.model = GPT(self.model_config)
+        if self.model is not None:
+            return
+        self.model = GPT(self.model_config)
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            # Lightning's ModelParallelStrategy leaves sharding to the user: FSDP2 on every block, then the model
+            # (the units colossal_fsdp picks by itself), over its data-parallel mesh axis.
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None, "configure_model() runs before training"
