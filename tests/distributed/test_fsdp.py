@@ -1,0 +1,446 @@
+"""``ColossalFSDPStrategy`` (torch FSDP2 ``fully_shard`` on CPU/gloo) against the oracle, DDP and ZeRO-2.
+
+Every body runs on each rank of a rank pool (see ``tests/harness/rank_pool.py``). FSDP keeps the parameters sharded
+as ``DTensor``s after training, so the bodies gather full tensors (``full_state``, a collective every rank runs in the
+same order) before returning them; for ordinary tensors it is ``float_state``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, ZeroStrategy
+from lightning_colossal.checkpoint import consolidate, read_sharded
+from lightning_colossal.checkpoint.sharded import saved_keys
+from tests.distributed.oracle import (
+    OracleResult,
+    RegressionModule,
+    _rank_micro_batches,
+    assert_matches_oracle,
+    build_optimizer,
+    float_state,
+    make_dataset,
+    new_module,
+    oracle_train,
+    quiet_trainer,
+    step_losses_from_ranks,
+)
+
+STEPS = 4
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+BF16 = {"rtol": 2e-2, "atol": 2e-3}
+
+
+def train_fsdp_body(
+    steps: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    clip_algorithm: str = "norm",
+    precision: str = "32-true",
+    strategy_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``train_and_record`` for FSDP: the same run, with the sharded weights gathered before they are returned."""
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=ColossalFSDPStrategy(**(strategy_kwargs or {})),
+        devices=torch.distributed.get_world_size(),
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=clip_algorithm,
+        precision=precision,
+    )
+    trainer.fit(module)
+    assert trainer.global_step == steps
+    sharded = {name: p for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    first = next(iter(sharded.values()), None)
+    return {
+        "losses": module.micro_batch_losses,
+        "parameters": float_state(module),
+        "sharded": sorted(sharded),
+        "mesh_shape": None if first is None else tuple(first.device_mesh.shape),
+        "placements": None if first is None else [type(placement).__name__ for placement in first.placements],
+    }
+
+
+def _assert_trained(parameters: dict[str, torch.Tensor]) -> None:
+    initial = {name: tensor.float() for name, tensor in new_module().state_dict().items()}
+    moved = max((parameters[name] - initial[name]).abs().max().item() for name in initial)
+    assert moved > 1e-3, "the parameters did not train: the comparison would prove nothing"
+
+
+def _assert_sharded(results: list[dict[str, Any]]) -> None:
+    """Every parameter of the module is a DTensor: FSDP really sharded it (not a plain DDP fallback)."""
+    for result in results:
+        assert set(result["sharded"]) == set(result["parameters"]), result["sharded"]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "no-reshard"])
+def test_fp32_matches_oracle(rank_pool_2, reshard_after_forward):
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    results = rank_pool_2.run(train_fsdp_body, STEPS, 1, None, "norm", "32-true", kwargs)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), 1, **FP32)
+    _assert_trained(results[0]["parameters"])
+    _assert_sharded(results)
+
+
+def test_accumulation_with_clip_by_norm_matches_oracle(rank_pool_2):
+    results = rank_pool_2.run(train_fsdp_body, STEPS, 2, 0.05, "norm", "32-true", {})
+    oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05)
+    assert_matches_oracle(results, oracle, 2, **FP32)
+    # The clipped oracle differs from the unclipped one, so a strategy that ignores clipping cannot pass.
+    unclipped = oracle_train(world_size=2, steps=STEPS, accumulate=2).parameters
+    assert max((oracle.parameters[n] - unclipped[n]).abs().max().item() for n in unclipped) > 1e-3
+
+
+def test_clip_by_value_matches_oracle(rank_pool_2):
+    results = rank_pool_2.run(train_fsdp_body, STEPS, 2, 0.01, "value", "32-true", {})
+    oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_value=0.01)
+    assert_matches_oracle(results, oracle, 2, **FP32)
+    unclipped = oracle_train(world_size=2, steps=STEPS, accumulate=2).parameters
+    assert max((oracle.parameters[n] - unclipped[n]).abs().max().item() for n in unclipped) > 1e-3
+
+
+def test_four_ranks_with_accumulation(rank_pool_4):
+    # model.output.weight (1 x 32) and model.output.bias (1,) have one row: ranks 1-3 hold empty shards of them.
+    results = rank_pool_4.run(train_fsdp_body, 2, 2, 0.05, "norm", "32-true", {})
+    assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
+    _assert_sharded(results)
+    assert all(result["mesh_shape"] == (4,) for result in results), results[0]["mesh_shape"]
+
+
+def test_hybrid_sharding_on_four_ranks_matches_oracle(rank_pool_4):
+    # HSDP: 2 replicas x 2 shards; gradients are reduce-scattered within a replica, then all-reduced across replicas.
+    results = rank_pool_4.run(train_fsdp_body, 2, 2, 0.05, "norm", "32-true", {"replicate_size": 2})
+    assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
+    _assert_sharded(results)
+    for result in results:
+        assert result["mesh_shape"] == (2, 2), result["mesh_shape"]
+        assert result["placements"] == ["Replicate", "Shard"], result["placements"]
+
+
+def mixed_precision_oracle(
+    world_size: int, steps: int, accumulate: int = 1, dtype: torch.dtype = torch.bfloat16
+) -> OracleResult:
+    """The oracle under FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)`` plus autocast.
+
+    Unlike plain autocast (``oracle_train(autocast_dtype=...)``), FSDP gathers *every* parameter in ``dtype``
+    (LayerNorm weights and biases too) and casts the root's inputs; each rank's per-micro-batch gradient comes out
+    in ``dtype`` and is accumulated and averaged over ranks in fp32. AdamW then steps the fp32 shards.
+    """
+    learning_rate = 0.02
+    module = new_module(learning_rate=learning_rate)
+    model = module.model
+    optimizer = build_optimizer(module, learning_rate)
+    dataset = make_dataset()
+    inputs, targets = dataset.tensors
+    micro_batches = _rank_micro_batches(dataset, world_size, batch_size=4)
+    parameters = dict(model.named_parameters())
+    result = OracleResult()
+    for _ in range(steps):
+        rank_grads = [{name: torch.zeros_like(p) for name, p in parameters.items()} for _ in range(world_size)]
+        losses = []
+        for _ in range(accumulate):
+            for rank, chosen in enumerate(next(micro_batches)):
+                low = {name: p.detach().to(dtype).requires_grad_() for name, p in parameters.items()}
+                with torch.autocast("cpu", dtype=dtype):
+                    prediction = torch.func.functional_call(model, low, (inputs[chosen].to(dtype),))
+                loss = nn.functional.mse_loss(prediction.float(), targets[chosen].float())
+                losses.append(loss.detach())
+                (loss / accumulate).backward()
+                for name, p in low.items():
+                    rank_grads[rank][name] += p.grad.float()
+        for name, p in parameters.items():
+            p.grad = torch.stack([grads[name] for grads in rank_grads]).sum(0) / world_size
+        result.step_losses.append(torch.stack(losses).mean().item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    result.parameters = float_state(module)
+    return result
+
+
+def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
+    results = rank_pool_2.run(train_fsdp_body, STEPS, 2, None, "norm", "bf16-mixed", {})
+    assert_matches_oracle(results, mixed_precision_oracle(world_size=2, steps=STEPS, accumulate=2), 2, **BF16)
+    _assert_trained(results[0]["parameters"])
+    # The losses also follow plain autocast. Its weights do not, to this tolerance: AdamW's first steps move each
+    # weight by about +-lr whatever its gradient's size, so a near-zero gradient whose sign bf16 rounding flips (LayerNorm
+    # weights rounded to bf16 or not) lands 2 * lr = 0.04 away; the FSDP-specific oracle rounds as FSDP does.
+    autocast = oracle_train(world_size=2, steps=STEPS, accumulate=2, autocast_dtype=torch.bfloat16)
+    losses = step_losses_from_ranks([result["losses"] for result in results], 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(autocast.step_losses), **BF16)
+
+
+def test_cpu_offload_matches_oracle(rank_pool_2):
+    results = rank_pool_2.run(train_fsdp_body, STEPS, 2, 0.05, "norm", "32-true", {"cpu_offload": True})
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
+
+
+class MLPCallCounter(Callback):
+    """Counts the calls of the first block's MLP: activation checkpointing runs it again in backward.
+
+    A pre-hook, because recomputation stops early, once the last tensor backward needs (inside the MLP) is rebuilt.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from lightning_colossal.demo.model import MLP
+
+        mlp = next(module for module in pl_module.modules() if isinstance(module, MLP))
+        mlp.register_forward_pre_hook(self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.calls += 1
+
+
+def gpt_body(strategy_name: str, activation_checkpointing: bool) -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+    from torch.distributed.fsdp import FSDPModule
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from lightning_colossal.demo.module import GPTLightningModule
+
+    seed_everything(3, verbose=False)
+    module = GPTLightningModule(
+        vocab_size=64, block_size=16, num_layers=2, num_heads=2, embed_dim=32, tie_weights=False, warmup_steps=2
+    )
+    loader = DataLoader(RandomTokenDataset(num_samples=32, block_size=16, vocab_size=64, seed=5), batch_size=4)
+    if strategy_name == "ddp":
+        strategy: Any = ColossalDDPStrategy()
+    else:
+        strategy = ColossalFSDPStrategy(activation_checkpointing=activation_checkpointing)
+    counter = MLPCallCounter()
+    trainer = quiet_trainer(
+        strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6, callbacks=[counter]
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return {
+        "parameters": float_state(module),
+        "fsdp_modules": sorted(name for name, child in module.named_modules() if isinstance(child, FSDPModule)),
+        "mlp_calls": counter.calls,
+    }
+
+
+def test_activation_checkpointing_on_auto_detected_blocks_trains_like_ddp(rank_pool_2):
+    reference = rank_pool_2.run(gpt_body, "ddp", False)[0]
+    assert reference["mlp_calls"] == 6
+    results = rank_pool_2.run(gpt_body, "fsdp", True)
+    for result in results:
+        # The demo GPT's ``Block``s were found without a policy and sharded one by one, and the model as a root.
+        assert {"model", "model.blocks.0", "model.blocks.1"} <= set(result["fsdp_modules"]), result["fsdp_modules"]
+        assert result["mlp_calls"] == 12, "each block's forward must run again in backward (recomputation)"
+        assert set(result["parameters"]) == set(reference["parameters"]), "the wrappers must not rename parameters"
+        torch.testing.assert_close(result["parameters"], reference["parameters"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1]["parameters"], results[0]["parameters"], rtol=0, atol=0)
+
+
+class LooseParameterModule(RegressionModule):
+    """A parameter registered on the LightningModule itself, outside any child module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.model(inputs) * self.temperature, targets)
+
+
+def error_body(case: str) -> str:
+    world_size = torch.distributed.get_world_size()
+    try:
+        if case == "loose_parameter":
+            module: Any = LooseParameterModule()
+            strategy = ColossalFSDPStrategy()
+        else:
+            module = new_module()
+            strategy = ColossalFSDPStrategy(replicate_size=3)
+        trainer = quiet_trainer(strategy=strategy, devices=world_size, max_steps=1)
+        trainer.fit(module)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_parameter_on_the_lightning_module_is_rejected_with_the_fix(rank_pool_2):
+    for message in rank_pool_2.run(error_body, "loose_parameter", timeout=60):
+        assert message.startswith("ValueError"), message
+        assert "submodule" in message.lower(), message
+
+
+def test_replicate_size_must_divide_the_world_size(rank_pool_2):
+    for message in rank_pool_2.run(error_body, "replicate_size", timeout=60):
+        assert message.startswith("ValueError"), message
+        assert "replicate_size" in message, message
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------------
+
+StrategySpec = dict[str, Any] | str  # ColossalFSDPStrategy keyword arguments, or "zero2"
+
+
+def _strategy(spec: StrategySpec) -> Any:
+    if spec == "zero2":
+        return ZeroStrategy(stage=2)
+    assert isinstance(spec, dict)
+    return ColossalFSDPStrategy(**spec)
+
+
+def _fit(
+    spec: StrategySpec,
+    epochs: int,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+    batch_size: int = 4,
+    dropout: float = 0.1,
+) -> dict[str, torch.Tensor]:
+    world_size = torch.distributed.get_world_size()
+    module = new_module(batch_size=batch_size, dropout=dropout, with_scheduler=True)
+    trainer = quiet_trainer(strategy=_strategy(spec), devices=world_size, max_epochs=epochs)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return float_state(module)
+
+
+def uninterrupted_body(spec: StrategySpec, dropout: float) -> dict[str, torch.Tensor]:
+    return _fit(spec, epochs=2, dropout=dropout)
+
+
+def save_after_one_epoch_body(spec: StrategySpec, path: str, dropout: float) -> dict[str, torch.Tensor]:
+    return _fit(spec, epochs=1, save_to=path, dropout=dropout)
+
+
+def resume_body(spec: StrategySpec, path: str, batch_size: int, dropout: float) -> dict[str, torch.Tensor]:
+    return _fit(spec, epochs=2, ckpt_path=path, batch_size=batch_size, dropout=dropout)
+
+
+FSDP: StrategySpec = {}
+
+
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(rank_pool_2, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
+    """An FSDP checkpoint after one epoch at 2 ranks (dropout off) and the weights it was saved with."""
+    path = str(tmp_path_factory.mktemp("fsdp") / "epoch1.ckpt")
+    saved = rank_pool_2.run(save_after_one_epoch_body, FSDP, path, 0.0)
+    torch.testing.assert_close(saved[1], saved[0], rtol=0, atol=0)
+    return path, saved[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(rank_pool_2) -> list[dict[str, torch.Tensor]]:
+    """Per-rank weights of an uninterrupted 2-epoch FSDP run at 2 ranks (dropout off)."""
+    return rank_pool_2.run(uninterrupted_body, FSDP, 0.0)
+
+
+def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path):
+    reference = rank_pool_2.run(uninterrupted_body, FSDP, 0.1)
+    path = str(tmp_path / "epoch1.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, FSDP, path, 0.1)
+    resumed = rank_pool_2.run(resume_body, FSDP, path, 4, 0.1)
+    for rank in range(2):
+        # Weights, sharded optimizer state, RNG, sampler epoch and LR schedule restored: bit for bit.
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=0, atol=0)
+
+
+def test_checkpoint_is_portable_keyed_by_name_with_whole_tensors(fsdp_checkpoint):
+    path, saved = fsdp_checkpoint
+    assert len(list(Path(path).glob("*.distcp"))) == 2, "each rank writes its own piece"
+    keys = saved_keys(path)
+    for name in ("model.input.weight", "model.output.bias", "model.norm.weight"):
+        assert f"model.{name}" in keys, sorted(keys)
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert f"optimizer_0.state.{name}.{state}" in keys, sorted(keys)
+    assert not any(key.startswith("optimizer_0.state.0.") for key in keys), "state must be keyed by name, not position"
+    loaded = read_sharded(path, keys={"model", "optimizer_0"})
+    torch.testing.assert_close(loaded["model"], saved, rtol=0, atol=0)
+    state = loaded["optimizer_0"]["state"]["model.input.weight"]
+    assert state["exp_avg"].shape == (32, 8), "whole tensors, not one rank's shard"
+    assert float(state["step"]) == 8.0
+
+
+def test_resume_at_one_rank_continues_the_same_training(rank_pool_1, fsdp_checkpoint, fsdp_reference):
+    path, _ = fsdp_checkpoint
+    # One rank with twice the per-rank batch sees the same global batches.
+    resumed = rank_pool_1.run(resume_body, FSDP, path, 8, 0.0)[0]
+    torch.testing.assert_close(resumed, fsdp_reference[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_checkpoint_resumes_in_zero2(rank_pool_2, fsdp_checkpoint):
+    path, _ = fsdp_checkpoint
+    reference = rank_pool_2.run(uninterrupted_body, "zero2", 0.0)
+    resumed = rank_pool_2.run(resume_body, "zero2", path, 4, 0.0)
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=1e-5, atol=1e-6)
+
+
+def test_zero2_checkpoint_resumes_in_fsdp(rank_pool_2, fsdp_reference, tmp_path):
+    path = str(tmp_path / "zero2.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, "zero2", path, 0.0)
+    resumed = rank_pool_2.run(resume_body, FSDP, path, 4, 0.0)
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], fsdp_reference[rank], rtol=1e-5, atol=1e-6)
+
+
+def test_consolidate_gives_the_trained_weights_and_resumes_in_fsdp(
+    rank_pool_2, fsdp_checkpoint, fsdp_reference, tmp_path
+):
+    from safetensors.torch import load_file
+
+    path, saved = fsdp_checkpoint
+    weights = load_file(str(consolidate(path, tmp_path / "model.safetensors")))
+    torch.testing.assert_close(weights, saved, rtol=0, atol=0)
+    # A single-file checkpoint holds whole tensors (optimizer state too); FSDP cuts its own shards out of them.
+    full = torch.load(consolidate(path, tmp_path / "full.ckpt"), weights_only=False)
+    assert full["optimizer_states"][0]["state"][0]["exp_avg"].shape == (32, 8)
+    resumed = rank_pool_2.run(resume_body, FSDP, str(tmp_path / "full.ckpt"), 4, 0.0)
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], fsdp_reference[rank], rtol=1e-5, atol=1e-6)
+
+
+def meta_init_body() -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+
+    from lightning_colossal import ColossalFSDPStrategy
+
+    seed_everything(5, verbose=False)
+    trainer = quiet_trainer(strategy=ColossalFSDPStrategy(), devices=torch.distributed.get_world_size(), max_steps=2)
+    with trainer.init_module(empty_init=True):
+        module = RegressionModule()
+    built_on_meta = all(parameter.is_meta for parameter in module.parameters())
+    trainer.fit(module)
+    local_numels = {name: parameter.to_local().numel() for name, parameter in module.named_parameters()}
+    state = float_state(module)
+    return {
+        "built_on_meta": built_on_meta,
+        "any_meta_after": any(parameter.is_meta for parameter in module.parameters()),
+        "local_numels": local_numels,
+        "full_numels": {name: tensor.numel() for name, tensor in state.items()},
+        "finite": all(torch.isfinite(tensor).all().item() for tensor in state.values()),
+        "losses": module.micro_batch_losses,
+    }
+
+
+def test_meta_device_model_is_materialised_per_shard_and_trains(rank_pool_2):
+    results = rank_pool_2.run(meta_init_body)
+    for result in results:
+        assert result["built_on_meta"], "Trainer.init_module(empty_init=True) must build on the meta device"
+        assert not result["any_meta_after"]
+        assert result["finite"] and all(loss == loss for loss in result["losses"])
+        # Each rank holds only its rows: the two local shards of a 32-row weight add up to the whole.
+        name = "model.input.weight"
+        assert result["local_numels"][name] < result["full_numels"][name]
+    assert (
+        results[0]["local_numels"]["model.input.weight"] + results[1]["local_numels"]["model.input.weight"]
+        == (results[0]["full_numels"]["model.input.weight"])
+    )
