@@ -11,7 +11,7 @@ belong to no unit and are refused.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ def parameter_holding_children(module: nn.Module) -> list[nn.Module]:
 def shard_model(
     module: nn.Module,
     mesh: DeviceMesh,
-    block_classes: Iterable[str],
+    is_block: Callable[[nn.Module], bool],
     reshard_after_forward: bool,
     mixed_precision: MixedPrecisionPolicy,
     cpu_offload: bool,
@@ -59,8 +59,7 @@ def shard_model(
             offload_policy=offload,
         )
 
-    wanted = set(block_classes)
-    blocks = [submodule for submodule in module.modules() if type(submodule).__name__ in wanted]
+    blocks = [submodule for submodule in module.modules() if submodule is not module and is_block(submodule)]
     for block in blocks:
         if activation_checkpointing:
             # The composable form keeps parameter names unchanged (a wrapper module would rename every key).

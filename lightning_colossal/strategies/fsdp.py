@@ -9,7 +9,7 @@ FSDP2's DTensor parameters and optimizer state directly, so checkpoints reshard 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -33,8 +33,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
     """Fully sharded data parallelism with torch FSDP2; registered as ``colossal_fsdp`` and ``colossal_fsdp_offload``.
 
     Args:
-        wrap_policy: class names of the modules to shard one by one (transformer blocks). ``None`` detects them:
-            the demo GPT's ``Block`` and a Hugging Face model's ``_no_split_modules``.
+        wrap_policy: which modules to shard one by one (transformer blocks): a list of class names, or a predicate
+            ``module -> bool``. ``None`` detects them: the demo GPT's ``Block`` and a Hugging Face model's
+            ``_no_split_modules``.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward
             (ZeRO-2-like: more memory, one all-gather less per step).
         cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (FSDP2's ``CPUOffloadPolicy``).
@@ -47,7 +48,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
 
     def __init__(
         self,
-        wrap_policy: list[str] | None = None,
+        wrap_policy: list[str] | Callable[[torch.nn.Module], bool] | None = None,
         reshard_after_forward: bool = True,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
@@ -121,12 +122,20 @@ class ColossalFSDPStrategy(ColossalStrategy):
     def _shard(self, module: pl.LightningModule) -> list[FSDPModule]:
         from lightning_colossal.demo.model import TRANSFORMER_BLOCK_CLASSES
 
-        known = [block.__name__ for block in TRANSFORMER_BLOCK_CLASSES]
-        blocks = self.wrap_policy if self.wrap_policy is not None else detect_block_classes(module, known)
+        policy = self.wrap_policy
+        if callable(policy):
+            is_block = policy
+        else:
+            known = [block.__name__ for block in TRANSFORMER_BLOCK_CLASSES]
+            names = set(policy) if policy is not None else detect_block_classes(module, known)
+
+            def is_block(candidate: torch.nn.Module) -> bool:
+                return type(candidate).__name__ in names
+
         roots = shard_model(
             module,
             self._sharding_mesh(),
-            blocks,
+            is_block,
             reshard_after_forward=self.reshard_after_forward,
             mixed_precision=self._mixed_precision_policy(),
             cpu_offload=self.cpu_offload,

@@ -31,6 +31,7 @@ from tests.distributed.oracle import (
     oracle_train,
     quiet_trainer,
     step_losses_from_ranks,
+    train_and_record,
 )
 
 STEPS = 4
@@ -444,3 +445,56 @@ def test_meta_device_model_is_materialised_per_shard_and_trains(rank_pool_2):
         results[0]["local_numels"]["model.input.weight"] + results[1]["local_numels"]["model.input.weight"]
         == (results[0]["full_numels"]["model.input.weight"])
     )
+
+
+def sharded_units_body(policy_kind: str) -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_colossal import ColossalFSDPStrategy
+
+    policy = (lambda module: isinstance(module, torch.nn.LayerNorm)) if policy_kind == "predicate" else ["Linear"]
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=ColossalFSDPStrategy(wrap_policy=policy), devices=torch.distributed.get_world_size(), max_steps=1
+    )
+    trainer.fit(module)
+    return sorted(name for name, submodule in module.named_modules() if isinstance(submodule, FSDPModule))
+
+
+def test_wrap_policy_by_class_names_or_predicate(rank_pool_2):
+    assert rank_pool_2.run(sharded_units_body, "predicate")[0] == ["model", "model.norm"]
+    assert rank_pool_2.run(sharded_units_body, "names")[0] == ["model", "model.hidden", "model.input", "model.output"]
+
+
+def reduce_scatter_count_body(accumulate: int) -> int:
+    import torch.distributed as dist
+
+    from lightning_colossal import ColossalFSDPStrategy
+
+    calls = [0]
+    # FSDP2 reduces gradients with one of these, depending on the torch version; count whichever exist.
+    names = [name for name in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, name)]
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, counting(original))
+    try:
+        train_and_record(ColossalFSDPStrategy(), 2, accumulate)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return calls[0]
+
+
+def test_accumulation_reduces_only_on_the_last_micro_batch(rank_pool_2):
+    single = rank_pool_2.run(reduce_scatter_count_body, 1)[0]
+    accumulated = rank_pool_2.run(reduce_scatter_count_body, 2)[0]
+    assert single > 0, "the counter saw no reduce-scatter at all: it measures nothing"
+    assert accumulated == single, f"{accumulated} reduce-scatters for 2 steps of 2 micro-batches, {single} without"
