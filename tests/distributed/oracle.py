@@ -9,7 +9,7 @@ that reduces gradients correctly must land on the same parameters up to float re
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,8 +196,12 @@ def train_and_record(
     clip: float | None = None,
     clip_algorithm: str = "norm",
     precision: str = "32-true",
+    facts: Callable[[LightningModule], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Rank body helper: train ``new_module()`` with ``strategy`` and return its micro-batch losses and weights."""
+    """Rank body helper: train ``new_module()`` with ``strategy`` and return its micro-batch losses and weights.
+
+    ``facts`` adds what a test wants to know about the trained module (e.g. how it was sharded) to the result.
+    """
     module = new_module()
     trainer = quiet_trainer(
         strategy=strategy,
@@ -210,7 +214,8 @@ def train_and_record(
     )
     trainer.fit(module)
     assert trainer.global_step == steps
-    return {"losses": module.micro_batch_losses, "parameters": float_state(module)}
+    result = {"losses": module.micro_batch_losses, "parameters": float_state(module)}
+    return {**result, **facts(module)} if facts is not None else result
 
 
 def assert_matches_oracle(

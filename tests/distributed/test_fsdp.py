@@ -16,9 +16,16 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, ZeroStrategy
+from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy
 from lightning_colossal.checkpoint import consolidate, read_sharded
 from lightning_colossal.checkpoint.sharded import saved_keys
+from tests.distributed.checkpoint_bodies import (
+    FSDP,
+    ZERO2,
+    resume_body,
+    save_after_one_epoch_body,
+    uninterrupted_body,
+)
 from tests.distributed.oracle import (
     OracleResult,
     RegressionModule,
@@ -39,6 +46,17 @@ FP32 = {"rtol": 1e-5, "atol": 1e-6}
 BF16 = {"rtol": 2e-2, "atol": 2e-3}
 
 
+def sharding_facts(module: nn.Module) -> dict[str, Any]:
+    """Which parameters FSDP turned into DTensors, and over which mesh and placements."""
+    sharded = {name: parameter for name, parameter in module.named_parameters() if isinstance(parameter, DTensor)}
+    first = next(iter(sharded.values()), None)
+    return {
+        "sharded": sorted(sharded),
+        "mesh_shape": None if first is None else tuple(first.device_mesh.shape),
+        "placements": None if first is None else [type(placement).__name__ for placement in first.placements],
+    }
+
+
 def train_fsdp_body(
     steps: int,
     accumulate: int = 1,
@@ -47,28 +65,8 @@ def train_fsdp_body(
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``train_and_record`` for FSDP: the same run, with the sharded weights gathered before they are returned."""
-    module = new_module()
-    trainer = quiet_trainer(
-        strategy=ColossalFSDPStrategy(**(strategy_kwargs or {})),
-        devices=torch.distributed.get_world_size(),
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        gradient_clip_algorithm=clip_algorithm,
-        precision=precision,
-    )
-    trainer.fit(module)
-    assert trainer.global_step == steps
-    sharded = {name: p for name, p in module.named_parameters() if isinstance(p, DTensor)}
-    first = next(iter(sharded.values()), None)
-    return {
-        "losses": module.micro_batch_losses,
-        "parameters": float_state(module),
-        "sharded": sorted(sharded),
-        "mesh_shape": None if first is None else tuple(first.device_mesh.shape),
-        "placements": None if first is None else [type(placement).__name__ for placement in first.placements],
-    }
+    strategy = ColossalFSDPStrategy(**(strategy_kwargs or {}))
+    return train_and_record(strategy, steps, accumulate, clip, clip_algorithm, precision, facts=sharding_facts)
 
 
 def _assert_trained(parameters: dict[str, torch.Tensor]) -> None:
@@ -287,47 +285,6 @@ def test_replicate_size_must_divide_the_world_size(rank_pool_2):
 
 # --- checkpoints ------------------------------------------------------------------------------------------------
 
-StrategySpec = dict[str, Any] | str  # ColossalFSDPStrategy keyword arguments, or "zero2"
-
-
-def _strategy(spec: StrategySpec) -> Any:
-    if spec == "zero2":
-        return ZeroStrategy(stage=2)
-    assert isinstance(spec, dict)
-    return ColossalFSDPStrategy(**spec)
-
-
-def _fit(
-    spec: StrategySpec,
-    epochs: int,
-    ckpt_path: str | None = None,
-    save_to: str | None = None,
-    batch_size: int = 4,
-    dropout: float = 0.1,
-) -> dict[str, torch.Tensor]:
-    world_size = torch.distributed.get_world_size()
-    module = new_module(batch_size=batch_size, dropout=dropout, with_scheduler=True)
-    trainer = quiet_trainer(strategy=_strategy(spec), devices=world_size, max_epochs=epochs)
-    trainer.fit(module, ckpt_path=ckpt_path)
-    if save_to is not None:
-        trainer.save_checkpoint(save_to)
-    return float_state(module)
-
-
-def uninterrupted_body(spec: StrategySpec, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=2, dropout=dropout)
-
-
-def save_after_one_epoch_body(spec: StrategySpec, path: str, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=1, save_to=path, dropout=dropout)
-
-
-def resume_body(spec: StrategySpec, path: str, batch_size: int, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=2, ckpt_path=path, batch_size=batch_size, dropout=dropout)
-
-
-FSDP: StrategySpec = {}
-
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(rank_pool_2, tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
@@ -379,15 +336,15 @@ def test_resume_at_one_rank_continues_the_same_training(rank_pool_1, fsdp_checkp
 
 def test_fsdp_checkpoint_resumes_in_zero2(rank_pool_2, fsdp_checkpoint):
     path, _ = fsdp_checkpoint
-    reference = rank_pool_2.run(uninterrupted_body, "zero2", 0.0)
-    resumed = rank_pool_2.run(resume_body, "zero2", path, 4, 0.0)
+    reference = rank_pool_2.run(uninterrupted_body, ZERO2, 0.0)
+    resumed = rank_pool_2.run(resume_body, ZERO2, path, 4, 0.0)
     for rank in range(2):
         torch.testing.assert_close(resumed[rank], reference[rank], rtol=1e-5, atol=1e-6)
 
 
 def test_zero2_checkpoint_resumes_in_fsdp(rank_pool_2, fsdp_reference, tmp_path):
     path = str(tmp_path / "zero2.ckpt")
-    rank_pool_2.run(save_after_one_epoch_body, "zero2", path, 0.0)
+    rank_pool_2.run(save_after_one_epoch_body, ZERO2, path, 0.0)
     resumed = rank_pool_2.run(resume_body, FSDP, path, 4, 0.0)
     for rank in range(2):
         torch.testing.assert_close(resumed[rank], fsdp_reference[rank], rtol=1e-5, atol=1e-6)

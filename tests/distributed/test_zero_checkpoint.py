@@ -8,55 +8,20 @@ world size can read it, and a ``colossal_ddp`` checkpoint must load into ZeRO.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from lightning_colossal import ColossalDDPStrategy, ZeroStrategy
 from lightning_colossal.checkpoint import consolidate, read_sharded
 from lightning_colossal.checkpoint.sharded import saved_keys
-from tests.distributed.oracle import float_state, new_module, quiet_trainer
-
-StrategySpec = dict[str, Any] | str  # ZeroStrategy keyword arguments, or "colossal_ddp"
-ZERO2: StrategySpec = {"stage": 2}
-ZERO1: StrategySpec = {"stage": 1}
-
-
-def _strategy(spec: StrategySpec) -> Any:
-    if spec == "colossal_ddp":
-        return ColossalDDPStrategy()
-    assert isinstance(spec, dict)
-    return ZeroStrategy(**spec)
-
-
-def _fit(
-    spec: StrategySpec,
-    epochs: int,
-    ckpt_path: str | None = None,
-    save_to: str | None = None,
-    batch_size: int = 4,
-    dropout: float = 0.1,
-) -> dict[str, torch.Tensor]:
-    world_size = torch.distributed.get_world_size()
-    module = new_module(batch_size=batch_size, dropout=dropout, with_scheduler=True)
-    trainer = quiet_trainer(strategy=_strategy(spec), devices=world_size, max_epochs=epochs)
-    trainer.fit(module, ckpt_path=ckpt_path)
-    if save_to is not None:
-        trainer.save_checkpoint(save_to)
-    return float_state(module)
-
-
-def uninterrupted_body(spec: StrategySpec, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=2, dropout=dropout)
-
-
-def save_after_one_epoch_body(spec: StrategySpec, path: str, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=1, save_to=path, dropout=dropout)
-
-
-def resume_body(spec: StrategySpec, path: str, batch_size: int, dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(spec, epochs=2, ckpt_path=path, batch_size=batch_size, dropout=dropout)
+from tests.distributed.checkpoint_bodies import (
+    DDP,
+    ZERO1,
+    ZERO2,
+    resume_body,
+    save_after_one_epoch_body,
+    uninterrupted_body,
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +37,7 @@ def zero2_checkpoint(rank_pool_2, tmp_path_factory) -> tuple[str, dict[str, torc
 def ddp_checkpoint(rank_pool_2, tmp_path_factory) -> str:
     """A colossal_ddp checkpoint after one epoch at 2 ranks (dropout off)."""
     path = str(tmp_path_factory.mktemp("ddp") / "epoch1.ckpt")
-    rank_pool_2.run(save_after_one_epoch_body, "colossal_ddp", path, 0.0)
+    rank_pool_2.run(save_after_one_epoch_body, DDP, path, 0.0)
     return path
 
 
@@ -82,7 +47,7 @@ def zero2_reference(rank_pool_2) -> list[dict[str, torch.Tensor]]:
     return rank_pool_2.run(uninterrupted_body, ZERO2, 0.0)
 
 
-@pytest.mark.parametrize("spec", [ZERO2, {"stage": 1, "cpu_offload": True}], ids=["zero2", "zero1-offload"])
+@pytest.mark.parametrize("spec", [ZERO2, ("zero", {"stage": 1, "cpu_offload": True})], ids=["zero2", "zero1-offload"])
 def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path, spec):
     reference = rank_pool_2.run(uninterrupted_body, spec, 0.1)
     path = str(tmp_path / "epoch1.ckpt")
@@ -135,8 +100,8 @@ def test_resume_at_one_rank_continues_the_same_training(rank_pool_1, zero2_check
 
 def test_zero2_checkpoint_resumes_in_colossal_ddp(rank_pool_2, zero2_checkpoint):
     path, _ = zero2_checkpoint
-    reference = rank_pool_2.run(uninterrupted_body, "colossal_ddp", 0.0)
-    resumed = rank_pool_2.run(resume_body, "colossal_ddp", path, 4, 0.0)
+    reference = rank_pool_2.run(uninterrupted_body, DDP, 0.0)
+    resumed = rank_pool_2.run(resume_body, DDP, path, 4, 0.0)
     for rank in range(2):
         torch.testing.assert_close(resumed[rank], reference[rank], rtol=1e-5, atol=1e-6)
 
