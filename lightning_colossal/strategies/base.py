@@ -31,13 +31,14 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.checkpoint.layout import (
@@ -60,6 +61,7 @@ from lightning_colossal.config import (
 )
 from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
+from lightning_colossal.strategies.launcher import FullWeightsMultiProcessingLauncher
 
 
 class ColossalStrategy(ParallelStrategy):
@@ -181,7 +183,7 @@ class ColossalStrategy(ParallelStrategy):
         if self._start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = FullWeightsMultiProcessingLauncher(self, start_method=self._start_method)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -329,6 +331,13 @@ class ColossalStrategy(ParallelStrategy):
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         assert self.lightning_module is not None
         set_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer), state)
+
+    def full_model_state_dict(self) -> dict[str, Tensor]:
+        """The full, unsharded weights as CPU tensors, on every rank (a collective when weights are sharded)."""
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict()
+        gathered = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+        return {name: value.detach().cpu() for name, value in gathered.items()}
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.model_state_for_checkpoint()

@@ -68,7 +68,9 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
         if strategy == "spawn":
             strategy = lightning_colossal.ColossalDDPStrategy(start_method="spawn")
         trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=3)
-        assert type(trainer.strategy.launcher).__name__ == "_MultiProcessingLauncher"
+        from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
+        assert isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
         trainer.fit(module)
         after = float_state(module)
         changed = max((after[name] - before[name]).abs().max().item() for name in before)
@@ -79,7 +81,9 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    "strategy", ["colossal_ddp_notebook", "spawn", "colossal_zero2_notebook"], ids=["fork", "spawn", "zero2-fork"]
+    "strategy",
+    ["colossal_ddp_notebook", "spawn", "colossal_zero2_notebook", "colossal_fsdp_notebook"],
+    ids=["fork", "spawn", "zero2-fork", "fsdp-fork"],
 )
 def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     script = tmp_path / "notebook_run.py"
