@@ -173,15 +173,8 @@ class ZeroStrategy(ColossalStrategy):
         self.lightning_module.load_state_dict(state_dict, strict=strict)
         if self.engine is None:
             return
-        self.engine.parameters_to_masters()
-        if self._masters_are_more_precise():
-            # The file may hold fp32 weights: give the masters the full precision, not the rounded parameters.
-            with torch.no_grad():
-                for member, master in zip(self.engine.members, self.engine.masters, strict=True):
-                    if member.name in state_dict:
-                        full = state_dict[member.name]
-                        owned = full if member.spec.replicated else full[member.spec.row_start : member.spec.row_end]
-                        master.copy_(owned)
+        # The file may hold fp32 weights: masters take them unrounded, not the (possibly bf16) parameters.
+        self.engine.parameters_to_masters(full_weights=state_dict)
 
     def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self.engine is None:

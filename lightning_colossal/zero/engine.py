@@ -15,7 +15,7 @@ and all-reduces it: since the owned rows partition the parameter, the sum is exa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -342,13 +342,18 @@ class ZeroEngine:
                 _owned_rows(member.parameter.data, member).copy_(master)
             self.sync_parameters()
 
-    def parameters_to_masters(self) -> None:
-        """After the parameters were loaded in full: refresh separate masters from them."""
+    def parameters_to_masters(self, full_weights: Mapping[str, Tensor] | None = None) -> None:
+        """After the parameters were loaded in full: refresh separate masters from them.
+
+        With ``full_weights`` (the loaded file, by parameter name) masters take their rows from it instead, so fp32
+        weights in the file reach fp32 masters unrounded even when the parameters are bf16.
+        """
         if self.master_buffer is None:
             return
         with torch.no_grad():
             for member, master in zip(self.members, self.masters, strict=True):
-                master.copy_(_owned_rows(member.parameter.data, member))
+                source = full_weights.get(member.name) if full_weights is not None else None
+                master.copy_(_owned_rows(source if source is not None else member.parameter.data, member))
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
