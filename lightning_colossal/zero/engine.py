@@ -14,7 +14,6 @@ and all-reduces it: since the owned rows partition the parameter, the sum is exa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -23,11 +22,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
-from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.zero.layout import shard_spec
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter
 
@@ -102,9 +101,10 @@ class ZeroEngine:
             device=compute_device,
             on_finished=self._attach_master_gradients,
         )
-        self._replicated_masters = {
-            id(self.masters[i]) for i, member in enumerate(self.members) if member.spec.replicated
-        }
+        self.sharded_masters = [
+            ShardedMaster(member.name, member.spec, master)
+            for member, master in zip(self.members, self.masters, strict=True)
+        ]
 
     # ---------------------------------------------------------------------------------------------- set-up
     def _members(self) -> list[ReducedParameter]:
@@ -269,31 +269,13 @@ class ZeroEngine:
     # ---------------------------------------------------------------------------------------------- clipping
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
-        gradients = [master.grad for master in self.masters if master.grad is not None]
-        # Replicated (zero-dimensional) parameters are held identically by every rank: count them on rank 0 only.
-        counted = [
-            master.grad
-            for master in self.masters
-            if master.grad is not None
-            and master.grad.numel()
-            and (self.rank == 0 or id(master) not in self._replicated_masters)
-        ]
-        squares = torch.zeros((), dtype=torch.float64, device=self.offload_device)
-        if counted:
-            # Per-tensor norms in one fused pass (as torch's clip_grad_norm_), summed in fp64 across shards and ranks.
-            squares += torch.stack(torch._foreach_norm(counted, 2.0)).double().pow(2).sum().to(squares.device)
-        collectives.all_reduce(squares, op="sum", group=self.process_group)
-        norm = squares.sqrt().float()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if gradients:
-            torch._foreach_mul_(gradients, coefficient.to(gradients[0].device))
-        return norm
+        return sharded_state.clip_by_global_norm(
+            self.sharded_masters, max_norm, self.process_group, self.rank, self.offload_device
+        )
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
-        for master in self.masters:
-            if master.grad is not None:
-                master.grad.clamp_(-clip_value, clip_value)
+        sharded_state.clip_by_value(self.sharded_masters, clip_value)
 
     # ---------------------------------------------------------------------------------------------- accounting
     def memory_report(self) -> ZeroMemoryReport:
@@ -320,18 +302,10 @@ class ZeroEngine:
         )
 
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def _as_global(self, local: Tensor, member: ReducedParameter) -> Tensor:
-        """Describe this rank's rows as a piece of the whole tensor (a DTensor sharded on dim 0)."""
-        if member.spec.replicated:
-            return local
-        shape = member.spec.shape
-        stride = tuple(math.prod(shape[index + 1 :]) for index in range(len(shape)))
-        return DTensor.from_local(local, self.device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
-
     def masters_by_name(self) -> dict[str, Tensor]:
         """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
         return {
-            member.name: self._as_global(master, member)
+            member.name: sharded_state.as_global(master, member.spec, self.device_mesh)
             for member, master in zip(self.members, self.masters, strict=True)
         }
 
@@ -357,74 +331,18 @@ class ZeroEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
-        self._initialise_optimizer_state()
-        member_of = {id(master): member for member, master in zip(self.members, self.masters, strict=True)}
-        state: dict[str, Any] = {}
-        param_groups = []
-        for group in self.optimizer.param_groups:
-            names = []
-            for master in group["params"]:
-                member = member_of[id(master)]
-                names.append(member.name)
-                state[member.name] = {
-                    key: self._as_global(value, member) if _is_shard_state(value, master) else value
-                    for key, value in self.optimizer.state[master].items()
-                }
-            param_groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": names})
-        return {"state": state, "param_groups": param_groups}
+        return sharded_state.optimizer_state_by_name(self.optimizer, self.sharded_masters, self.device_mesh)
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
-        member_of = {member.name: (member, master) for member, master in zip(self.members, self.masters, strict=True)}
-        for name, entries in loaded["state"].items():
-            if name not in member_of:
-                continue
-            member, master = member_of[name]
-            live = self.optimizer.state[master]
-            for key, value in entries.items():
-                current = live.get(key)
-                if isinstance(value, DTensor):
-                    if current is None or value.to_local().data_ptr() != current.data_ptr():
-                        live[key] = value.to_local().to(master.device).clone()
-                elif isinstance(value, Tensor) and isinstance(current, Tensor) and _is_shard_state(current, master):
-                    current.copy_(_owned_rows(value, member) if value.shape == member.spec.shape else value)
-                elif isinstance(value, Tensor) and isinstance(current, Tensor):
-                    current.copy_(value)
-                else:
-                    live[key] = value
-        for group, saved in zip(self.optimizer.param_groups, loaded["param_groups"], strict=True):
-            group.update({key: value for key, value in saved.items() if key != "params"})
-
-    def _initialise_optimizer_state(self) -> None:
-        """Create the optimizer's state tensors (a zero-learning-rate step on zero gradients), if it never stepped."""
-        if self.optimizer.state:
-            return
-        saved_gradients = [master.grad for master in self.masters]
-        for master in self.masters:
-            master.grad = torch.zeros_like(master)
-        learning_rates = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = 0.0
-        self.optimizer.step()
-        for group, learning_rate in zip(self.optimizer.param_groups, learning_rates, strict=True):
-            group["lr"] = learning_rate
-        for master, gradient in zip(self.masters, saved_gradients, strict=True):
-            master.grad = gradient
+        sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
 
     def remove(self) -> None:
         self.reducer.remove_hooks()
 
 
 def _owned_rows(tensor: Tensor, member: ReducedParameter) -> Tensor:
-    spec = member.spec
-    if spec.replicated:
-        return tensor
-    return tensor[spec.row_start : spec.row_end]
-
-
-def _is_shard_state(value: Any, master: Tensor) -> bool:
-    """Optimizer state shaped like its parameter's shard (``exp_avg``), as opposed to scalars (``step``)."""
-    return isinstance(value, Tensor) and value.shape == master.shape and value.dim() > 0
+    return sharded_state.owned_rows_of(tensor, member.spec)
 
 
 def _validate_optimizer(optimizer: Optimizer, config: ZeroConfig) -> None:

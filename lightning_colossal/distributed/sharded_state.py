@@ -1,0 +1,156 @@
+"""Optimizer state of row-sharded masters (ZeRO and Gemini): by parameter name, clipping, first-step set-up.
+
+Both engines give the user's optimizer one *master* per parameter: this rank's rows of it ([Note: sharding along
+dim 0] in ``rows``). Everything here works on that picture only, so a checkpoint written by one engine is read by the
+other, by ``colossal_ddp`` and by ``torch.distributed.checkpoint`` at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.rows import ShardSpec
+
+
+@dataclass(frozen=True)
+class ShardedMaster:
+    """One parameter as the optimizer sees it: its name, its rows on this rank, and the tensor that holds them."""
+
+    name: str
+    spec: ShardSpec
+    master: Tensor
+
+
+def owned_rows_of(tensor: Tensor, spec: ShardSpec) -> Tensor:
+    """The rows of a whole ``tensor`` (shaped like the parameter) that ``spec``'s rank owns."""
+    if spec.replicated:
+        return tensor
+    return tensor[spec.row_start : spec.row_end]
+
+
+def as_global(local: Tensor, spec: ShardSpec, device_mesh: DeviceMesh) -> Tensor:
+    """Describe this rank's rows as a piece of the whole tensor (a DTensor sharded on dim 0)."""
+    if spec.replicated:
+        return local
+    shape = spec.shape
+    stride = tuple(math.prod(shape[index + 1 :]) for index in range(len(shape)))
+    return DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+def is_shard_state(value: Any, master: Tensor) -> bool:
+    """Optimizer state shaped like its parameter's shard (``exp_avg``), as opposed to scalars (``step``)."""
+    return isinstance(value, Tensor) and value.shape == master.shape and value.dim() > 0
+
+
+def initialise_optimizer_state(optimizer: Optimizer, masters: Sequence[Tensor]) -> None:
+    """Create the optimizer's state tensors (a zero-learning-rate step on zero gradients), if it never stepped."""
+    if optimizer.state:
+        return
+    saved_gradients = [master.grad for master in masters]
+    for master in masters:
+        master.grad = torch.zeros_like(master)
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, learning_rate in zip(optimizer.param_groups, learning_rates, strict=True):
+        group["lr"] = learning_rate
+    for master, gradient in zip(masters, saved_gradients, strict=True):
+        master.grad = gradient
+
+
+def optimizer_state_by_name(
+    optimizer: Optimizer, masters: Sequence[ShardedMaster], device_mesh: DeviceMesh
+) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
+    initialise_optimizer_state(optimizer, [entry.master for entry in masters])
+    entry_of = {id(entry.master): entry for entry in masters}
+    state: dict[str, Any] = {}
+    param_groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for master in group["params"]:
+            entry = entry_of[id(master)]
+            names.append(entry.name)
+            state[entry.name] = {
+                key: as_global(value, entry.spec, device_mesh) if is_shard_state(value, master) else value
+                for key, value in optimizer.state[master].items()
+            }
+        param_groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": names})
+    return {"state": state, "param_groups": param_groups}
+
+
+def load_optimizer_state_by_name(
+    optimizer: Optimizer, masters: Sequence[ShardedMaster], loaded: dict[str, Any]
+) -> None:
+    """Apply a name-keyed state: shards DCP already filled in place, or whole tensors (plain checkpoints)."""
+    entry_of = {entry.name: entry for entry in masters}
+    for name, entries in loaded["state"].items():
+        entry = entry_of.get(name)
+        if entry is None:
+            continue
+        master = entry.master
+        live = optimizer.state[master]
+        for key, value in entries.items():
+            current = live.get(key)
+            if isinstance(value, DTensor):
+                if current is None or value.to_local().data_ptr() != current.data_ptr():
+                    live[key] = value.to_local().to(master.device).clone()
+            elif isinstance(value, Tensor) and isinstance(current, Tensor) and is_shard_state(current, master):
+                current.copy_(owned_rows_of(value, entry.spec) if value.shape == entry.spec.shape else value)
+            elif isinstance(value, Tensor) and isinstance(current, Tensor):
+                current.copy_(value)
+            else:
+                live[key] = value
+    for group, saved in zip(optimizer.param_groups, loaded["param_groups"], strict=True):
+        group.update({key: value for key, value in saved.items() if key != "params"})
+
+
+def clip_by_global_norm(
+    masters: Sequence[ShardedMaster], max_norm: float, process_group: ProcessGroup, rank: int, device: torch.device
+) -> Tensor:
+    """Clip every master gradient by the L2 norm over all ranks' shards (one scalar all-reduce); returns the norm.
+
+    Replicated (zero-dimensional) parameters are held identically by every rank, so only rank 0 counts them.
+    """
+    gradients = [entry.master.grad for entry in masters if entry.master.grad is not None]
+    counted = [
+        entry.master.grad
+        for entry in masters
+        if entry.master.grad is not None and entry.master.grad.numel() and (rank == 0 or not entry.spec.replicated)
+    ]
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for device_gradients in _by_device(counted):
+        # Per-tensor norms in one fused pass per device (as torch's clip_grad_norm_), summed in fp64.
+        squares += torch.stack(torch._foreach_norm(device_gradients, 2.0)).double().pow(2).sum().to(device)
+    collectives.all_reduce(squares, op="sum", group=process_group)
+    norm = squares.sqrt().float()
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for device_gradients in _by_device(gradients):
+        torch._foreach_mul_(device_gradients, coefficient.to(device_gradients[0].device))
+    return norm
+
+
+def clip_by_value(masters: Sequence[ShardedMaster], clip_value: float) -> None:
+    """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
+    for entry in masters:
+        if entry.master.grad is not None:
+            entry.master.grad.clamp_(-clip_value, clip_value)
+
+
+def _by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
+    groups: dict[torch.device, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())
