@@ -6,13 +6,21 @@ Lightning's ``StrategyRegistry``, so ``Trainer(strategy="colossal_ddp")`` works 
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_colossal.config import DDPConfig, LossScalerConfig, ZeroConfig
+from lightning_colossal.config import (
+    AutoPlacement,
+    DDPConfig,
+    GeminiConfig,
+    LossScalerConfig,
+    StaticPlacement,
+    ZeroConfig,
+)
 from lightning_colossal.precision import ColossalPrecision, DynamicLossScaler
 from lightning_colossal.strategies import (
     ALL_STRATEGIES,
     ColossalDDPStrategy,
     ColossalFSDPStrategy,
     ColossalStrategy,
+    GeminiStrategy,
     ZeroStrategy,
 )
 
@@ -28,13 +36,17 @@ def register_strategies() -> None:
 register_strategies()
 
 __all__ = [
+    "AutoPlacement",
     "ColossalDDPStrategy",
     "ColossalFSDPStrategy",
     "ColossalPrecision",
     "ColossalStrategy",
     "DDPConfig",
     "DynamicLossScaler",
+    "GeminiConfig",
+    "GeminiStrategy",
     "LossScalerConfig",
+    "StaticPlacement",
     "ZeroConfig",
     "ZeroStrategy",
     "register_strategies",

@@ -3,8 +3,21 @@
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
 from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
+from lightning_colossal.strategies.gemini import GeminiStrategy
 from lightning_colossal.strategies.zero import ZeroStrategy
 
-ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (ColossalDDPStrategy, ZeroStrategy, ColossalFSDPStrategy)
+ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (
+    ColossalDDPStrategy,
+    ZeroStrategy,
+    ColossalFSDPStrategy,
+    GeminiStrategy,
+)
 
-__all__ = ["ALL_STRATEGIES", "ColossalDDPStrategy", "ColossalFSDPStrategy", "ColossalStrategy", "ZeroStrategy"]
+__all__ = [
+    "ALL_STRATEGIES",
+    "ColossalDDPStrategy",
+    "ColossalFSDPStrategy",
+    "ColossalStrategy",
+    "GeminiStrategy",
+    "ZeroStrategy",
+]

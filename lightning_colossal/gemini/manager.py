@@ -1,0 +1,308 @@
+"""The chunk manager: allocates chunks, gathers, releases, reduces and moves them, and counts their bytes.
+
+Only this module moves chunk storage or communicates for it; the runtime (``engine``) decides *when*.
+
+[Note: collective per backend]
+A gather writes this rank's rows into a zeroed parameter-major buffer and, on gloo, all-reduces it: the rows
+partition every parameter, so the sum is the gathered chunk, and on gloo an all-reduce costs about a third of an
+all-gather of the same bytes. NCCL (or ``communication="scatter_gather"``) all-gathers rank-major slots and copies
+them out. Gradients are the mirror image: all-reduce the full gradient and keep the own rows, or reduce-scatter
+rank-major slots. Both paths give identical results; tests force the second one on gloo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from lightning_colossal.distributed import collectives
+from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
+from lightning_colossal.gemini.layout import ChunkSpec
+from lightning_colossal.gemini.placement import PlacementPlan
+
+
+class ChunkBytes(NamedTuple):
+    """Bytes one rank holds for chunks, by kind and by location (summed from the real tensors)."""
+
+    shard: int
+    gathered: int
+    master: int
+    gradient: int
+    optimizer_state: int
+    compute: int
+    offload: int
+
+
+class ChunkManager:
+    """Owns every chunk of one rank.
+
+    Args:
+        specs: the layout (this rank's view).
+        parameters: per chunk, the ``nn.Parameter`` objects of its members, in member order.
+        plan: which chunks keep gathered / offload their optimizer / offload their parameter shards.
+        process_group: the data-parallel ranks.
+        compute_device: where modules run.
+        use_scatter_gather: see [Note: collective per backend].
+    """
+
+    def __init__(
+        self,
+        specs: list[ChunkSpec],
+        parameters: list[list[nn.Parameter]],
+        plan: PlacementPlan,
+        process_group: ProcessGroup,
+        compute_device: torch.device,
+        use_scatter_gather: bool,
+    ) -> None:
+        self.process_group = process_group
+        self.world_size = collectives.world_size(process_group)
+        self.rank = collectives.rank(process_group)
+        self.compute_device = compute_device
+        self.offload_device = torch.device("cpu")
+        self.use_scatter_gather = use_scatter_gather
+        self.plan = plan
+        self.chunks: list[Chunk] = []
+        for spec, members in zip(specs, parameters, strict=True):
+            dtype = members[0].dtype
+            if any(parameter.dtype != dtype for parameter in members):
+                raise TypeError(
+                    f"chunk {spec.index} mixes parameter dtypes {sorted({str(p.dtype) for p in members})}: Gemini"
+                    " chunks hold one dtype. Cast the model to one dtype (the precision plugin does this)."
+                )
+            shard_location = Location.OFFLOAD if spec.index in plan.offload_parameters else Location.COMPUTE
+            master_location = Location.OFFLOAD if spec.index in plan.offload_optimizer else Location.COMPUTE
+            shard = torch.zeros(spec.shard_numel, dtype=dtype, device=self.device_of(shard_location))
+            if dtype == torch.float32 and self.device_of(shard_location) == self.device_of(master_location):
+                master = shard  # an fp32 shard is its own master: no second copy (see [Note: chunks])
+            else:
+                master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device_of(master_location))
+            chunk = Chunk(
+                spec=spec,
+                shard=shard,
+                master=master,
+                shard_location=shard_location,
+                master_location=master_location,
+                parameters=list(members),
+                keep_gathered=spec.index in plan.keep_gathered,
+            )
+            chunk.master_views = [chunk.member_shard(master, member) for member in spec.members]
+            chunk.gradients_expected = sum(1 for parameter in members if parameter.requires_grad)
+            self.chunks.append(chunk)
+        self.placeholders = {
+            chunk.index: torch.empty(0, dtype=chunk.shard.dtype, device=compute_device) for chunk in self.chunks
+        }
+
+    def device_of(self, location: Location) -> torch.device:
+        return self.compute_device if location is Location.COMPUTE else self.offload_device
+
+    # ---------------------------------------------------------------------------------------------- gather
+    def gather(self, chunk: Chunk, asynchronous: bool = False) -> None:
+        """Make the whole chunk available on the compute device and point its parameters into it."""
+        if chunk.state is ChunkState.GATHERING:
+            self.wait(chunk)
+            return
+        if chunk.is_gathered:
+            return
+        if chunk.shard_location is Location.OFFLOAD and self.offload_device != self.compute_device:
+            source = chunk.shard.to(self.compute_device, non_blocking=True)
+        else:
+            source = chunk.shard
+        full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
+        work = None
+        if self.world_size == 1:
+            full.copy_(source)
+        elif self.use_scatter_gather:
+            self._all_gather_slots(chunk, source, full)
+        else:
+            for member in chunk.spec.members:
+                if member.spec.replicated and self.rank != 0:
+                    continue  # identical on every rank: one copy in the sum
+                chunk.member_owned_in_full(full, member).copy_(chunk.member_shard(source, member).reshape(-1))
+            work = collectives.all_reduce_async(full, group=self.process_group)
+        chunk.full = full
+        if work is not None and asynchronous:
+            chunk.pending_gather = work
+            chunk.move(ChunkState.GATHERING)
+            return
+        if work is not None:
+            work.wait()
+        chunk.move(ChunkState.GATHERED)
+        self._point_parameters(chunk)
+
+    def wait(self, chunk: Chunk) -> None:
+        if chunk.state is not ChunkState.GATHERING:
+            return
+        chunk.pending_gather.wait()
+        chunk.pending_gather = None
+        chunk.move(ChunkState.GATHERED)
+        self._point_parameters(chunk)
+
+    def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> None:
+        slot = chunk.spec.slot_numel
+        send = torch.zeros(slot, dtype=source.dtype, device=self.compute_device)
+        for member in chunk.spec.members:
+            send[member.slot_offset : member.slot_offset + member.spec.local_numel].copy_(
+                chunk.member_shard(source, member).reshape(-1)
+            )
+        slots = torch.empty(self.world_size * slot, dtype=source.dtype, device=self.compute_device)
+        collectives.all_gather_into(slots, send, group=self.process_group)
+        slots = slots.view(self.world_size, slot)
+        for member in chunk.spec.members:
+            spec = member.spec
+            target = full[member.offset : member.offset + member.numel]
+            if spec.replicated:
+                target.copy_(slots[0, member.slot_offset : member.slot_offset + 1])
+                continue
+            for rank in range(self.world_size):
+                start, end = spec.rows_of(rank)
+                if end > start:
+                    count = (end - start) * spec.row_numel
+                    target[start * spec.row_numel : end * spec.row_numel].copy_(
+                        slots[rank, member.slot_offset : member.slot_offset + count]
+                    )
+
+    def _point_parameters(self, chunk: Chunk) -> None:
+        assert chunk.full is not None
+        for member, parameter in zip(chunk.spec.members, chunk.parameters, strict=True):
+            parameter.data = chunk.member_full(chunk.full, member)
+
+    def detach_parameters(self, chunk: Chunk) -> None:
+        """Point the parameters at empty placeholders (after set-up filled the shard from their values)."""
+        placeholder = self.placeholders[chunk.index]
+        for parameter in chunk.parameters:
+            parameter.data = placeholder
+
+    def release(self, chunk: Chunk) -> None:
+        """Drop the gathered buffer; the parameters become empty placeholders until the next gather."""
+        if chunk.state is ChunkState.GATHERING:
+            self.wait(chunk)
+        chunk.move(ChunkState.SHARDED)
+        chunk.full = None
+        self.detach_parameters(chunk)
+
+    def move_shard(self, chunk: Chunk, location: Location) -> None:
+        """Move this rank's working shard to ``location`` (its master, if separate, stays where it is)."""
+        if chunk.shard_location is location:
+            return
+        device = self.device_of(location)
+        if device != chunk.shard.device:
+            if chunk.masters_alias_shard:
+                # Placement never asks for this: an aliased master lives where its shard lives by construction.
+                raise RuntimeError(f"chunk {chunk.index}: cannot move a shard that is its own master across devices.")
+            chunk.shard = chunk.shard.to(device, non_blocking=True)
+        chunk.shard_location = location
+
+    # ---------------------------------------------------------------------------------------------- gradients
+    def reduce(self, chunk: Chunk) -> None:
+        """Average the chunk's full gradient over the ranks and add this rank's rows to its fp32 shard gradient."""
+        full = chunk.full_gradient
+        if full is None:  # no gradient reached this chunk on this rank: it still takes part with zeros
+            full = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
+        if chunk.gradient is None:
+            chunk.gradient = torch.zeros(
+                chunk.spec.shard_numel, dtype=torch.float32, device=self.device_of(chunk.master_location)
+            )
+        scale = 1.0 / self.world_size
+        if self.use_scatter_gather and self.world_size > 1:
+            slot = chunk.spec.slot_numel
+            staging = torch.zeros(self.world_size, slot, dtype=torch.float32, device=self.compute_device)
+            for member in chunk.spec.members:
+                spec = member.spec
+                source = full[member.offset : member.offset + member.numel]
+                for rank in range(self.world_size):
+                    if spec.replicated:
+                        staging[rank, member.slot_offset : member.slot_offset + 1].copy_(source)
+                        continue
+                    start, end = spec.rows_of(rank)
+                    if end > start:
+                        staging[rank, member.slot_offset : member.slot_offset + (end - start) * spec.row_numel].copy_(
+                            source[start * spec.row_numel : end * spec.row_numel]
+                        )
+            received = torch.empty(slot, dtype=torch.float32, device=self.compute_device)
+            work = collectives.reduce_scatter_async(received, staging.view(-1), group=self.process_group)
+            if work is not None:
+                work.wait()
+            for member in chunk.spec.members:
+                numel = member.spec.local_numel
+                own = received[member.slot_offset : member.slot_offset + numel]
+                target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
+                target.add_(own.to(target.device, non_blocking=True), alpha=scale)
+        else:
+            work = collectives.all_reduce_async(full, group=self.process_group)
+            if work is not None:
+                work.wait()
+            for member in chunk.spec.members:
+                numel = member.spec.local_numel
+                own = chunk.member_owned_in_full(full, member)
+                target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
+                target.add_(own.to(target.device, non_blocking=True), alpha=scale)
+        chunk.full_gradient = None
+        chunk.gradients_arrived = 0
+
+    def attach_master_gradients(self) -> None:
+        for chunk in self.chunks:
+            if chunk.gradient is None:
+                continue
+            for member, view in zip(chunk.spec.members, chunk.master_views, strict=True):
+                view.grad = chunk.member_shard(chunk.gradient, member)
+
+    def zero_gradients(self) -> None:
+        for chunk in self.chunks:
+            if chunk.gradient is not None:
+                chunk.gradient.zero_()
+
+    def masters_to_shards(self) -> None:
+        """After the optimizer stepped (or masters were loaded): refresh the working shards from the masters."""
+        with torch.no_grad():
+            for chunk in self.chunks:
+                if not chunk.masters_alias_shard:
+                    chunk.shard.copy_(chunk.master, non_blocking=True)
+
+    def shards_to_masters(self) -> None:
+        with torch.no_grad():
+            for chunk in self.chunks:
+                if not chunk.masters_alias_shard:
+                    chunk.master.copy_(chunk.shard)
+
+    # ---------------------------------------------------------------------------------------------- accounting
+    def chunk_bytes(self, optimizer_state: dict[Any, Any] | None = None) -> ChunkBytes:
+        """Bytes held for chunks on this rank, from the tensors themselves (placement decisions use this)."""
+        shard = gathered = master = gradient = state = compute = offload = 0
+        for chunk in self.chunks:
+            shard_bytes = _nbytes(chunk.shard)
+            shard += shard_bytes
+            full_bytes = _nbytes(chunk.full) + _nbytes(chunk.full_gradient)
+            gathered += full_bytes
+            compute += full_bytes
+            own = {
+                "shard": (shard_bytes, chunk.shard_location),
+                "master": (0 if chunk.masters_alias_shard else _nbytes(chunk.master), chunk.master_location),
+                "gradient": (_nbytes(chunk.gradient), chunk.master_location),
+            }
+            states = 0
+            if optimizer_state is not None:
+                for view in chunk.master_views:
+                    states += sum(
+                        _nbytes(value) for value in optimizer_state.get(view, {}).values() if isinstance(value, Tensor)
+                    )
+            own["state"] = (states, chunk.master_location)
+            master += own["master"][0]
+            gradient += own["gradient"][0]
+            state += states
+            for size, location in own.values():
+                if location is Location.COMPUTE:
+                    compute += size
+                else:
+                    offload += size
+        return ChunkBytes(shard, gathered, master, gradient, state, compute, offload)
+
+    def gathered_chunks(self) -> Iterable[Chunk]:
+        return (chunk for chunk in self.chunks if chunk.state is not ChunkState.SHARDED)
+
+
+def _nbytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

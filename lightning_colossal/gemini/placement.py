@@ -1,0 +1,104 @@
+"""Placement decisions from byte counts (pure logic, testable without devices or process groups).
+
+Static placement fixes, once, which chunks stay gathered, which have their optimizer on the CPU and which park their
+parameter shards on the CPU. Automatic placement decides before every module which chunks to move off the compute
+device so the module's chunks fit the budget, evicting the chunk whose next use is farthest away (Belady's rule,
+which is optimal for a known future; the future is the module order traced in the warm-up step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from lightning_colossal.config import StaticPlacement
+
+
+class PlacementPlan(NamedTuple):
+    """Chunk indices per decision."""
+
+    keep_gathered: frozenset[int]
+    offload_optimizer: frozenset[int]
+    offload_parameters: frozenset[int]
+
+
+def leading_share(chunk_bytes: Sequence[int], fraction: float) -> frozenset[int]:
+    """The first chunks (in order) whose bytes add up to at most ``fraction`` of the total (all of them at 1.0)."""
+    if fraction >= 1.0:
+        return frozenset(range(len(chunk_bytes)))
+    limit = fraction * sum(chunk_bytes)
+    chosen: set[int] = set()
+    running = 0
+    for index, size in enumerate(chunk_bytes):
+        if running + size > limit:
+            break
+        running += size
+        chosen.add(index)
+    return frozenset(chosen)
+
+
+def static_plan(chunk_bytes: Sequence[int], placement: StaticPlacement) -> PlacementPlan:
+    """Which chunks stay gathered (the *last* ones, used first by backward), offload optimizer or parameters."""
+    reversed_share = leading_share(list(reversed(chunk_bytes)), 1.0 - placement.shard_param_frac)
+    keep = frozenset(len(chunk_bytes) - 1 - index for index in reversed_share)
+    return PlacementPlan(
+        keep_gathered=keep,
+        offload_optimizer=leading_share(chunk_bytes, placement.offload_optim_frac),
+        offload_parameters=leading_share(chunk_bytes, placement.offload_param_frac),
+    )
+
+
+def auto_plan(num_chunks: int) -> PlacementPlan:
+    """Automatic placement starts with every optimizer on the CPU and every parameter shard on the device."""
+    return PlacementPlan(frozenset(), frozenset(range(num_chunks)), frozenset())
+
+
+def next_use_distance(sequence: Sequence[frozenset[int]], position: int, chunk: int) -> float:
+    """Ops from ``position`` until ``chunk`` is used again, wrapping around (the sequence repeats every step)."""
+    length = len(sequence)
+    for distance in range(1, length + 1):
+        if chunk in sequence[(position + distance) % length]:
+            return distance
+    return math.inf
+
+
+class BudgetTooSmall(ValueError):
+    """The compute-memory budget cannot hold one module's working set."""
+
+
+def choose_evictions(
+    evictable_bytes: Mapping[int, int],
+    needed_bytes: int,
+    resident_bytes: int,
+    non_model_bytes: int,
+    budget: int,
+    next_use: Mapping[int, float],
+) -> list[int]:
+    """Chunks to move off the compute device, in order, so that ``needed_bytes`` more fit in ``budget``.
+
+    Args:
+        evictable_bytes: chunks that may leave the device now, with the device bytes each would free.
+        needed_bytes: bytes the current module still has to bring onto the device.
+        resident_bytes: model bytes on the device now (evictable or not).
+        non_model_bytes: traced activations and temporaries expected at this module.
+        budget: bytes of device memory the model may use.
+        next_use: ops until each chunk is needed again (missing: never).
+    """
+    free = budget - non_model_bytes - resident_bytes
+    if free >= needed_bytes:
+        return []
+    order = sorted(evictable_bytes, key=lambda chunk: (-next_use.get(chunk, math.inf), chunk))
+    evicted = []
+    for chunk in order:
+        evicted.append(chunk)
+        free += evictable_bytes[chunk]
+        if free >= needed_bytes:
+            return evicted
+    required = needed_bytes + non_model_bytes + resident_bytes - sum(evictable_bytes.values())
+    raise BudgetTooSmall(
+        f"compute_memory_budget={budget} bytes cannot hold this module's working set: it needs at least {required}"
+        f" bytes ({needed_bytes + resident_bytes - sum(evictable_bytes.values())} of chunks in use and"
+        f" {non_model_bytes} of activations). Raise AutoPlacement(compute_memory_budget=...) to at least {required},"
+        " or use smaller chunks (chunk_numel) or a smaller batch."
+    )

@@ -1,0 +1,210 @@
+"""``colossal_gemini`` / ``colossal_gemini_auto`` / ``colossal_gemini_offload``: the Gemini engine as a strategy.
+
+The model is not wrapped: ``lightning_colossal.gemini.GeminiEngine`` moves the trainable parameters into chunks,
+hooks the modules that own them, and takes over the parameter lists of the optimizer ``configure_optimizers``
+returned. Lightning's loop stays in charge; this adapter tells the engine when an optimizer step happened, hands
+it the precision plugin's clipping, and maps checkpoints onto the engine's name-keyed shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    AutoPlacement,
+    GeminiConfig,
+    LossScalerConfig,
+    StartMethod,
+    StaticPlacement,
+)
+from lightning_colossal.gemini import GeminiEngine
+from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
+
+
+class GeminiStrategy(ColossalStrategy):
+    """ZeRO-3 over the data-parallel ranks with parameters, gradients and optimizer state in chunks.
+
+    Registered as ``colossal_gemini`` (static placement, all on the compute device), ``colossal_gemini_auto``
+    (automatic placement) and ``colossal_gemini_offload`` (static, fp32 masters and optimizer state in CPU memory),
+    each also ``*_notebook``.
+
+    Args:
+        placement: ``StaticPlacement(...)`` or ``AutoPlacement(...)``; default ``StaticPlacement()``.
+        chunk_numel: elements per chunk; ``None`` searches the size wasting the least chunk space.
+        min_chunk_numel, search_range_numel, search_step_numel: the chunk-size search (see ``GeminiConfig``).
+        max_prefetch: chunks gathered ahead of use, asynchronously.
+        communication: ``"auto"``, ``"all_reduce"`` or ``"scatter_gather"`` (identical results).
+        init_window_bytes: bytes one initialisation pass materialises when the model is built on the meta device
+            (``Trainer.init_module(empty_init=True)`` or ``configure_model``).
+        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
+        cluster_environment: see ``ColossalStrategy``.
+    """
+
+    def __init__(
+        self,
+        placement: StaticPlacement | AutoPlacement | None = None,
+        chunk_numel: int | None = None,
+        min_chunk_numel: int = 2**20,
+        search_range_numel: int = 2**24,
+        search_step_numel: int = 2**16,
+        max_prefetch: int = 0,
+        communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
+        init_window_bytes: int = 2**30,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        start_method: StartMethod = "popen",
+        loss_scaler: LossScalerConfig | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            loss_scaler=loss_scaler,
+        )
+        self.gemini_config = GeminiConfig(
+            placement=placement if placement is not None else StaticPlacement(),
+            chunk_numel=chunk_numel,
+            min_chunk_numel=min_chunk_numel,
+            search_range_numel=search_range_numel,
+            search_step_numel=search_step_numel,
+            max_prefetch=max_prefetch,
+            communication=communication,
+            init_window_bytes=init_window_bytes,
+        )
+        self.engine: GeminiEngine | None = None
+
+    @classmethod
+    def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
+        return [
+            ("colossal_gemini", {"placement": StaticPlacement()}),
+            ("colossal_gemini_auto", {"placement": AutoPlacement()}),
+            ("colossal_gemini_offload", {"placement": StaticPlacement(offload_optim_frac=1.0)}),
+        ]
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer) -> None:
+        fitting = self._prepare_module(trainer)
+        assert self.lightning_module is not None
+        if self.engine is not None:
+            self.engine.restore_full_parameters()
+            self.engine = None
+        optimizer = None
+        if fitting:
+            if not self.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "GeminiStrategy does not support manual optimization (the engine owns when chunks are gathered,"
+                    " reduced and refreshed around the optimizer step). Use automatic optimization, or `colossal_ddp`"
+                    " / `colossal_fsdp` for manual optimization."
+                )
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"GeminiStrategy shards exactly one optimizer; `configure_optimizers` returned"
+                    f" {len(self.optimizers)}. Put all parameters into one optimizer with several param groups."
+                )
+            optimizer = _unwrap_optimizer(self.optimizers[0])
+        self.engine = GeminiEngine(
+            self.lightning_module, optimizer, self.gemini_config, self.device_mesh["dp"], self.root_device
+        )
+        self.setup_precision_plugin()
+        self.precision_plugin.gradient_clipper = self.engine
+
+    def model_to_device(self) -> None:
+        # Meta parameters (a model larger than one rank) are materialised into chunk shards, not moved.
+        assert self.model is not None
+        if not any(tensor.is_meta for tensor in [*self.model.parameters(), *self.model.buffers()]):
+            self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init=True (Trainer.init_module(empty_init=True)): shapes only; the engine initialises per chunk.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is None:
+            return super().training_step(*args, **kwargs)
+        with self.engine.step_context():
+            return super().training_step(*args, **kwargs)
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.engine.after_step(stepped=not self.precision_plugin.last_step_skipped)
+        return output
+
+    def teardown(self) -> None:
+        # Parameters get their whole values back (as after any Lightning run), then the base moves them to the CPU.
+        if self.engine is not None:
+            self.engine.restore_full_parameters()
+            self.engine = None
+        super().teardown()
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def model_state_for_checkpoint(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        if self.engine is None:
+            return self.lightning_module.state_dict()
+        # fp32 master rows of every chunked parameter (never rounded weights) plus buffers and frozen parameters.
+        state = self.engine.state_by_name()
+        for name, value in self.lightning_module.state_dict().items():
+            state.setdefault(name, value)
+        return state
+
+    def _on_model_state_loaded(self) -> None:
+        if self.engine is not None:
+            self.engine.masters_loaded()
+
+    def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        assert self.lightning_module is not None
+        if self.engine is None:
+            self.lightning_module.load_state_dict(state_dict, strict=strict)
+            return
+        expected = set(self.lightning_module.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"The checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}."
+                " Fix the model or load with `strict_loading = False` on the LightningModule."
+            )
+        self.engine.load_full_weights(state_dict)
+        chunked = set(self.engine.state_by_name())
+        rest = {name: value for name, value in state_dict.items() if name not in chunked}
+        self.lightning_module.load_state_dict(rest, strict=False)
+
+    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_names_and_state(optimizer)
+        return self.engine.optimizer_state_by_name()
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        assert self.engine is not None
+        self.engine.load_optimizer_state_by_name(state)
+
+    def full_model_state_dict(self) -> dict[str, Tensor]:
+        if self.engine is None:
+            return super().full_model_state_dict()
+        return self.engine.full_state_dict()
