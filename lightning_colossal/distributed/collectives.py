@@ -10,6 +10,7 @@ Every function is a no-op (or the identity) when no process group is initialised
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -163,3 +164,21 @@ def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessG
     if not is_initialized() or world_size(group) == 1:
         return
     dist.broadcast(tensor, group_src=source_rank, group=group)
+
+
+def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGroup | None:
+    """A second process group over the same ranks (a collective: every rank of the world must call it).
+
+    Collectives on different groups are matched independently, so an engine can run two streams of collectives
+    whose interleaving differs between ranks (Gemini: gathers and gradient reductions).
+    """
+    if not is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, timeout=timeout, backend=backend(group))
+
+
+def destroy_group(group: ProcessGroup | None) -> None:
+    """Release a group made by ``new_group_like`` (its connections and threads)."""
+    if group is not None and is_initialized():
+        dist.destroy_process_group(group)

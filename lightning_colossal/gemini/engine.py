@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -36,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_colossal.config import AutoPlacement, GeminiConfig
+from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
 from lightning_colossal.distributed import collectives, sharded_state
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
@@ -72,6 +73,7 @@ class GeminiEngine:
         config: Gemini settings.
         device_mesh: 1-D mesh of the data-parallel ranks.
         compute_device: where modules run.
+        timeout: collective timeout of the engine's own reduction group.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class GeminiEngine:
         config: GeminiConfig,
         device_mesh: DeviceMesh,
         compute_device: torch.device,
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
     ) -> None:
         self.module = module
         self.optimizer = optimizer
@@ -114,7 +117,11 @@ class GeminiEngine:
             use_scatter_gather = collectives.backend(self.process_group) not in ("gloo", "none")
         else:
             use_scatter_gather = config.communication == "scatter_gather"
-        self.manager = ChunkManager(specs, members, plan, self.process_group, compute_device, use_scatter_gather)
+        # Gradient reductions get their own group: see manager.py [Note: two groups].
+        self.reduce_group = collectives.new_group_like(self.process_group, timeout) if self.world_size > 1 else None
+        self.manager = ChunkManager(
+            specs, members, plan, self.process_group, compute_device, use_scatter_gather, self.reduce_group
+        )
         self.chunk_of: dict[int, tuple[Chunk, int]] = {}
         for chunk in self.manager.chunks:
             for position, parameter in enumerate(chunk.parameters):
@@ -135,6 +142,9 @@ class GeminiEngine:
         self._backward_callback_queued = False
         self._prefetched: set[int] = set()
         self.budget = self._budget()
+        # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
+        # checkpoint saved after the run) but no longer drive the parameters.
+        self.detached = False
 
     # ---------------------------------------------------------------------------------------------- set-up
     def _split_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -149,7 +159,8 @@ class GeminiEngine:
             else:
                 replicated.append(parameter)
         if in_optimizer is not None:
-            strangers = len(in_optimizer - {id(p) for p in chunked})
+            known = {id(p) for p in self.module.parameters()}
+            strangers = len(in_optimizer - known)
             if strangers:
                 raise ValueError(
                     f"The optimizer holds {strangers} tensor(s) that are not trainable parameters of the model: build"
@@ -182,6 +193,8 @@ class GeminiEngine:
         for group in optimizer.param_groups:
             views = []
             for parameter in group["params"]:
+                if id(parameter) not in self.chunk_of:
+                    continue  # frozen: it stays whole outside the chunks and never has a gradient to step
                 chunk, position = self.chunk_of[id(parameter)]
                 views.append(chunk.master_views[position])
             group["params"] = views
@@ -330,6 +343,7 @@ class GeminiEngine:
 
     def _end_of_backward(self) -> None:
         self._reduce_in_order(force=True)
+        self.manager.complete_reductions(block=True)
         for chunk in self.manager.chunks:
             chunk.reduced_this_backward = False
             if chunk.state is ChunkState.GATHERING:
@@ -504,6 +518,8 @@ class GeminiEngine:
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Whole weights on every rank (CPU), gathered one chunk at a time; buffers and frozen parameters too."""
+        if self.detached:
+            return {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
         self.release_all()
         state: dict[str, Tensor] = {}
         for chunk in self.manager.chunks:
@@ -519,7 +535,12 @@ class GeminiEngine:
 
     def restore_full_parameters(self) -> None:
         """Give every parameter its whole value in its own storage again and remove the hooks (end of a run)."""
+        if self.detached:
+            return
+        self.detached = True
         self.remove()
+        collectives.destroy_group(self.reduce_group)
+        self.reduce_group = None
         self.release_all()
         for chunk in self.manager.chunks:
             self.manager.gather(chunk)

@@ -8,10 +8,19 @@ partition every parameter, so the sum is the gathered chunk, and on gloo an all-
 all-gather of the same bytes. NCCL (or ``communication="scatter_gather"``) all-gathers rank-major slots and copies
 them out. Gradients are the mirror image: all-reduce the full gradient and keep the own rows, or reduce-scatter
 rank-major slots. Both paths give identical results; tests force the second one on gloo.
+
+[Note: two groups]
+Gathers happen where modules need their chunks; a chunk's gradient reduction happens once its gradients are complete,
+which is a local fact (a parameter may get no gradient on one rank, so that rank reduces the chunk only at the end of
+backward). On one process group the two kinds would interleave differently on different ranks and be matched
+wrongly. Reductions therefore run on a second group over the same ranks, asynchronously: each group sees its
+collectives in the same order on every rank (gathers in module order, reductions in fixed chunk order), and no rank
+blocks on a reduction another rank has not started yet; they are waited for at the end of backward.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -47,6 +56,7 @@ class ChunkManager:
         process_group: the data-parallel ranks.
         compute_device: where modules run.
         use_scatter_gather: see [Note: collective per backend].
+        reduce_group: the same ranks as ``process_group``, for gradient reductions ([Note: two groups]).
     """
 
     def __init__(
@@ -57,8 +67,11 @@ class ChunkManager:
         process_group: ProcessGroup,
         compute_device: torch.device,
         use_scatter_gather: bool,
+        reduce_group: ProcessGroup | None = None,
     ) -> None:
         self.process_group = process_group
+        self.reduce_group = reduce_group if reduce_group is not None else process_group
+        self._pending: deque[_PendingReduction] = deque()
         self.world_size = collectives.world_size(process_group)
         self.rank = collectives.rank(process_group)
         self.compute_device = compute_device
@@ -198,15 +211,13 @@ class ChunkManager:
 
     # ---------------------------------------------------------------------------------------------- gradients
     def reduce(self, chunk: Chunk) -> None:
-        """Average the chunk's full gradient over the ranks and add this rank's rows to its fp32 shard gradient."""
+        """Start averaging the chunk's full gradient over the ranks; ``complete_reductions`` adds the own rows to the
+        fp32 shard gradient. Runs on ``reduce_group`` without waiting ([Note: two groups])."""
         full = chunk.full_gradient
         if full is None:  # no gradient reached this chunk on this rank: it still takes part with zeros
             full = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
-        if chunk.gradient is None:
-            chunk.gradient = torch.zeros(
-                chunk.spec.shard_numel, dtype=torch.float32, device=self.device_of(chunk.master_location)
-            )
-        scale = 1.0 / self.world_size
+        chunk.full_gradient = None
+        chunk.gradients_arrived = 0
         if self.use_scatter_gather and self.world_size > 1:
             slot = chunk.spec.slot_numel
             staging = torch.zeros(self.world_size, slot, dtype=torch.float32, device=self.compute_device)
@@ -223,25 +234,39 @@ class ChunkManager:
                             source[start * spec.row_numel : end * spec.row_numel]
                         )
             received = torch.empty(slot, dtype=torch.float32, device=self.compute_device)
-            work = collectives.reduce_scatter_async(received, staging.view(-1), group=self.process_group)
-            if work is not None:
-                work.wait()
-            for member in chunk.spec.members:
-                numel = member.spec.local_numel
-                own = received[member.slot_offset : member.slot_offset + numel]
-                target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
-                target.add_(own.to(target.device, non_blocking=True), alpha=scale)
+            work = collectives.reduce_scatter_async(received, staging.view(-1), group=self.reduce_group)
+            self._pending.append(_PendingReduction(chunk, work, received, staging, rank_major=True))
         else:
-            work = collectives.all_reduce_async(full, group=self.process_group)
-            if work is not None:
-                work.wait()
+            work = collectives.all_reduce_async(full, group=self.reduce_group)
+            self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
+        self.complete_reductions(block=False)
+
+    def complete_reductions(self, block: bool) -> None:
+        """Fold finished reductions (all of them with ``block``) into the shard gradients, in launch order."""
+        while self._pending:
+            pending = self._pending[0]
+            if pending.work is not None and not block and not pending.work.is_completed():
+                return
+            self._pending.popleft()
+            if pending.work is not None:
+                pending.work.wait()
+            chunk = pending.chunk
+            if chunk.gradient is None:
+                chunk.gradient = torch.zeros(
+                    chunk.spec.shard_numel, dtype=torch.float32, device=self.device_of(chunk.master_location)
+                )
             for member in chunk.spec.members:
                 numel = member.spec.local_numel
-                own = chunk.member_owned_in_full(full, member)
+                if pending.rank_major:
+                    own = pending.result[member.slot_offset : member.slot_offset + numel]
+                else:
+                    own = chunk.member_owned_in_full(pending.result, member)
                 target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
-                target.add_(own.to(target.device, non_blocking=True), alpha=scale)
-        chunk.full_gradient = None
-        chunk.gradients_arrived = 0
+                target.add_(own.to(target.device, non_blocking=True), alpha=1.0 / self.world_size)
+
+    @property
+    def reductions_in_flight(self) -> int:
+        return len(self._pending)
 
     def attach_master_gradients(self) -> None:
         for chunk in self.chunks:
@@ -302,6 +327,14 @@ class ChunkManager:
 
     def gathered_chunks(self) -> Iterable[Chunk]:
         return (chunk for chunk in self.chunks if chunk.state is not ChunkState.SHARDED)
+
+
+class _PendingReduction(NamedTuple):
+    chunk: Chunk
+    work: Any
+    result: Tensor  # the all-reduced full gradient, or this rank's reduce-scattered slot
+    staging: Tensor | None  # kept alive until the collective is done
+    rank_major: bool
 
 
 def _nbytes(tensor: Tensor | None) -> int:

@@ -27,7 +27,8 @@ def leading_share(chunk_bytes: Sequence[int], fraction: float) -> frozenset[int]
     """The first chunks (in order) whose bytes add up to at most ``fraction`` of the total (all of them at 1.0)."""
     if fraction >= 1.0:
         return frozenset(range(len(chunk_bytes)))
-    limit = fraction * sum(chunk_bytes)
+    # A relative tolerance so that 1.0 - 0.9 (= 0.0999...98) still admits a chunk of exactly 10% of the bytes.
+    limit = fraction * sum(chunk_bytes) * (1 + 1e-9)
     chosen: set[int] = set()
     running = 0
     for index, size in enumerate(chunk_bytes):

@@ -102,7 +102,7 @@ class GeminiStrategy(ColossalStrategy):
         fitting = self._prepare_module(trainer)
         assert self.lightning_module is not None
         if self.engine is not None:
-            self.engine.restore_full_parameters()
+            self.engine.restore_full_parameters()  # a previous stage's chunks; this stage builds its own
             self.engine = None
         optimizer = None
         if fitting:
@@ -120,7 +120,12 @@ class GeminiStrategy(ColossalStrategy):
                 )
             optimizer = _unwrap_optimizer(self.optimizers[0])
         self.engine = GeminiEngine(
-            self.lightning_module, optimizer, self.gemini_config, self.device_mesh["dp"], self.root_device
+            self.lightning_module,
+            optimizer,
+            self.gemini_config,
+            self.device_mesh["dp"],
+            self.root_device,
+            timeout=self._timeout,
         )
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
@@ -158,9 +163,9 @@ class GeminiStrategy(ColossalStrategy):
 
     def teardown(self) -> None:
         # Parameters get their whole values back (as after any Lightning run), then the base moves them to the CPU.
+        # The engine stays: `trainer.save_checkpoint` after `fit` still reads its shards and optimizer state.
         if self.engine is not None:
             self.engine.restore_full_parameters()
-            self.engine = None
         super().teardown()
 
     # ---------------------------------------------------------------------------------------------- checkpoints

@@ -1,7 +1,7 @@
 """Rank bodies for checkpoint round trips, shared by every strategy's checkpoint tests.
 
 A strategy is named by a picklable spec ``(kind, constructor arguments)`` with kind ``"ddp"``, ``"zero"`` or
-``"fsdp"``, so one body serves every strategy and cross-strategy resumes (save with one, resume with another).
+``"fsdp"`` or ``"gemini"``, so one body serves every strategy and cross-strategy resumes (save with one, resume with another).
 """
 
 from __future__ import annotations
@@ -10,16 +10,22 @@ from typing import Any
 
 import torch
 
-from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, ZeroStrategy
+from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, GeminiStrategy, ZeroStrategy
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
 
 StrategySpec = tuple[str, dict[str, Any]]
-STRATEGY_CLASSES = {"ddp": ColossalDDPStrategy, "zero": ZeroStrategy, "fsdp": ColossalFSDPStrategy}
+STRATEGY_CLASSES = {
+    "ddp": ColossalDDPStrategy,
+    "zero": ZeroStrategy,
+    "fsdp": ColossalFSDPStrategy,
+    "gemini": GeminiStrategy,
+}
 
 DDP: StrategySpec = ("ddp", {})
 ZERO1: StrategySpec = ("zero", {"stage": 1})
 ZERO2: StrategySpec = ("zero", {"stage": 2})
 FSDP: StrategySpec = ("fsdp", {})
+GEMINI: StrategySpec = ("gemini", {"chunk_numel": 1100})  # three chunks of the oracle's model
 
 
 def build_strategy(spec: StrategySpec) -> Any:

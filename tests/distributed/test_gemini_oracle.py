@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
-from lightning_colossal import AutoPlacement, ColossalPrecision, GeminiStrategy, LossScalerConfig, StaticPlacement
-from tests.distributed.oracle import assert_matches_oracle, new_module, oracle_train, quiet_trainer, train_and_record
+from lightning_colossal import AutoPlacement, GeminiStrategy, StaticPlacement
+from tests.distributed.oracle import assert_matches_oracle, oracle_train, train_and_record
 
 STEPS = 4
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
@@ -47,5 +46,7 @@ def train_gemini_body(
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS), ids=list(PLACEMENTS))
 def test_fp32_matches_oracle_for_every_placement(rank_pool_2, placement):
-    results = rank_pool_2.run(train_gemini_body, STEPS, 1, None, "norm", "32-true", {"placement": PLACEMENTS[placement]})
+    results = rank_pool_2.run(
+        train_gemini_body, STEPS, 1, None, "norm", "32-true", {"placement": PLACEMENTS[placement]}
+    )
     assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), accumulate=1, **FP32)
