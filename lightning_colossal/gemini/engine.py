@@ -12,9 +12,10 @@ The runtime hooks every module that owns chunked parameters:
 
 [Note: fixed reduction order]
 Whether a chunk's gradients are complete is a local fact (a parameter may get no gradient on one rank), but
-collectives must match across ranks. Chunk ``k`` is reduced only after every chunk above it was; chunks left at the
-end of backward (parameters without gradients) are reduced then, with zeros for the missing gradients. So a
-parameter that gets no gradient neither hangs nor desynchronises. What every rank must share is the set of modules
+collectives must match across ranks. Chunk ``k`` is reduced only after every chunk above it was, on a group of its
+own (manager.py [Note: two groups]); before backward the strategy counts which parameters the loss reaches
+(``prepare_backward``), so a chunk is complete when those are in; chunks left at the end of backward are reduced
+then, with zeros for missing gradients. So a parameter that gets no gradient neither hangs nor desynchronises. What every rank must share is the set of modules
 run in forward and reached in backward (gathers are collectives too), as with FSDP.
 
 [Note: gradient accumulation]
@@ -58,6 +59,8 @@ class GeminiMemoryReport(NamedTuple):
     """Bytes this rank holds for model state, from the real tensors."""
 
     chunks: ChunkBytes
+    peak_working_set_bytes: int  # most gathered chunks + full gradients held at once so far
+    evictions: int  # chunks automatic placement moved off the compute device so far
     replicated_bytes: int  # parameters outside chunks (frozen ones), whole on every rank
     num_parameters: int
     chunk_numel: int
@@ -140,11 +143,14 @@ class GeminiEngine:
         self._install_hooks()
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
+        for chunk in self.manager.chunks:  # without prepare_backward, wait for every trainable parameter
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
         self._prefetched: set[int] = set()
         self.budget = self._budget()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
         # checkpoint saved after the run) but no longer drive the parameters.
         self.detached = False
+        self.evictions = 0
 
     # ---------------------------------------------------------------------------------------------- set-up
     def _split_parameters(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -313,13 +319,35 @@ class GeminiEngine:
                 chunk.move(ChunkState.AWAITING_GRADIENTS)
         self._prefetch(position)
 
+    def prepare_backward(self, loss: Tensor) -> None:
+        """Before ``loss.backward()``: count, per chunk, the parameters this backward will reach.
+
+        A chunk is reduced as soon as its reachable gradients are in, so a parameter without a gradient on this rank
+        (a branch whose output this rank did not use) delays nothing, like DDP's ``find_unused_parameters``.
+        """
+        reached: set[int] = set()
+        seen: set[Any] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        for chunk in self.manager.chunks:
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if id(parameter) in reached)
+
     def _on_gradient(self, parameter: Tensor) -> None:
         chunk, position = self.chunk_of[id(parameter)]
         member = chunk.spec.members[position]
-        if chunk.full_gradient is None:
-            chunk.full_gradient = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
+        full_gradient = chunk.full_gradient
+        if full_gradient is None:
+            full_gradient = self.manager.allocate_full_gradient(chunk)
         assert parameter.grad is not None
-        chunk.member_full(chunk.full_gradient, member).add_(parameter.grad)
+        chunk.member_full(full_gradient, member).add_(parameter.grad)
         parameter.grad = None
         chunk.gradients_arrived += 1
         if not self._backward_callback_queued:
@@ -352,6 +380,8 @@ class GeminiEngine:
                 chunk.move(ChunkState.GATHERED)
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
+        for chunk in self.manager.chunks:  # without prepare_backward, wait for every trainable parameter
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
         self.manager.attach_master_gradients()
         self.tracer.finish()
 
@@ -398,12 +428,16 @@ class GeminiEngine:
             next_use = {}
         try:
             victims = choose_evictions(evictable, needed_bytes, resident, non_model, budget, next_use)
-        except BudgetTooSmall:
+        except BudgetTooSmall as error:
             if not self.tracer.finished:
                 # Warm-up works from a guess of activation memory; evict all it can and learn the real figure.
                 victims = list(evictable)
             else:
-                raise
+                raise BudgetTooSmall(
+                    f"{error} (AutoPlacement(compute_memory_budget={placement.compute_memory_budget}) times"
+                    f" steady_compute_cap_ratio={placement.steady_compute_cap_ratio} leaves {budget} bytes usable.)"
+                ) from None
+        self.evictions += len(victims)
         for index in victims:
             chunk = chunks[index]
             if chunk.state is ChunkState.GATHERED:
@@ -415,7 +449,13 @@ class GeminiEngine:
         if self.config.max_prefetch == 0 or not self.tracer.finished:
             return
         sequence = self.tracer.sequence
-        started = 0
+        # Prefetched chunks not yet used count against the limit: the working set stays max_prefetch chunks ahead.
+        self._prefetched = {
+            index
+            for index in self._prefetched
+            if self.manager.chunks[index].is_gathered or self.manager.chunks[index].state is ChunkState.GATHERING
+        }
+        started = len(self._prefetched)
         for distance in range(1, len(sequence)):
             for index in sorted(sequence[(position + distance) % len(sequence)]):
                 if started >= self.config.max_prefetch:
@@ -468,6 +508,8 @@ class GeminiEngine:
         )
         return GeminiMemoryReport(
             chunks=self.manager.chunk_bytes(self._optimizer_state()),
+            peak_working_set_bytes=self.manager.peak_working_set_bytes,
+            evictions=self.evictions,
             replicated_bytes=replicated,
             num_parameters=num_parameters,
             chunk_numel=self.chunk_numel,

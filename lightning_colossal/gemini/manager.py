@@ -33,6 +33,8 @@ from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.layout import ChunkSpec
 from lightning_colossal.gemini.placement import PlacementPlan
 
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 class ChunkBytes(NamedTuple):
     """Bytes one rank holds for chunks, by kind and by location (summed from the real tensors)."""
@@ -72,6 +74,9 @@ class ChunkManager:
         self.process_group = process_group
         self.reduce_group = reduce_group if reduce_group is not None else process_group
         self._pending: deque[_PendingReduction] = deque()
+        # Gathered chunks and full gradients held at once: the working set on top of the shards (16Ψ/N).
+        self.working_set_bytes = 0
+        self.peak_working_set_bytes = 0
         self.world_size = collectives.world_size(process_group)
         self.rank = collectives.rank(process_group)
         self.compute_device = compute_device
@@ -137,6 +142,7 @@ class ChunkManager:
                 chunk.member_owned_in_full(full, member).copy_(chunk.member_shard(source, member).reshape(-1))
             work = collectives.all_reduce_async(full, group=self.process_group)
         chunk.full = full
+        self._count_working_set(_nbytes(full))
         if work is not None and asynchronous:
             chunk.pending_gather = work
             chunk.move(ChunkState.GATHERING)
@@ -145,6 +151,15 @@ class ChunkManager:
             work.wait()
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
+
+    def _count_working_set(self, delta: int) -> None:
+        self.working_set_bytes += delta
+        self.peak_working_set_bytes = max(self.peak_working_set_bytes, self.working_set_bytes)
+
+    def allocate_full_gradient(self, chunk: Chunk) -> Tensor:
+        chunk.full_gradient = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
+        self._count_working_set(_nbytes(chunk.full_gradient))
+        return chunk.full_gradient
 
     def wait(self, chunk: Chunk) -> None:
         if chunk.state is not ChunkState.GATHERING:
@@ -194,6 +209,7 @@ class ChunkManager:
         if chunk.state is ChunkState.GATHERING:
             self.wait(chunk)
         chunk.move(ChunkState.SHARDED)
+        self._count_working_set(-_nbytes(chunk.full))
         chunk.full = None
         self.detach_parameters(chunk)
 
@@ -215,7 +231,7 @@ class ChunkManager:
         fp32 shard gradient. Runs on ``reduce_group`` without waiting ([Note: two groups])."""
         full = chunk.full_gradient
         if full is None:  # no gradient reached this chunk on this rank: it still takes part with zeros
-            full = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
+            full = self.allocate_full_gradient(chunk)
         chunk.full_gradient = None
         chunk.gradients_arrived = 0
         if self.use_scatter_gather and self.world_size > 1:
@@ -239,17 +255,21 @@ class ChunkManager:
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)
             self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
-        self.complete_reductions(block=False)
+        # Bound the full gradients in flight: the working set stays a few chunks, not the whole model.
+        self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT)
 
-    def complete_reductions(self, block: bool) -> None:
-        """Fold finished reductions (all of them with ``block``) into the shard gradients, in launch order."""
+    def complete_reductions(self, block: bool, keep_at_most: int | None = None) -> None:
+        """Fold finished reductions into the shard gradients, in launch order: all of them with ``block``, else
+        the finished ones and, waiting, enough to leave at most ``keep_at_most`` in flight."""
         while self._pending:
             pending = self._pending[0]
-            if pending.work is not None and not block and not pending.work.is_completed():
+            must_wait = block or (keep_at_most is not None and len(self._pending) > keep_at_most)
+            if pending.work is not None and not must_wait and not pending.work.is_completed():
                 return
             self._pending.popleft()
             if pending.work is not None:
                 pending.work.wait()
+            self._count_working_set(-chunk_gradient_bytes(pending.chunk))
             chunk = pending.chunk
             if chunk.gradient is None:
                 chunk.gradient = torch.zeros(
@@ -327,6 +347,10 @@ class ChunkManager:
 
     def gathered_chunks(self) -> Iterable[Chunk]:
         return (chunk for chunk in self.chunks if chunk.state is not ChunkState.SHARDED)
+
+
+def chunk_gradient_bytes(chunk: Chunk) -> int:
+    return chunk.spec.numel * 4  # full gradients are fp32
 
 
 class _PendingReduction(NamedTuple):

@@ -98,7 +98,7 @@ def choose_evictions(
             return evicted
     required = needed_bytes + non_model_bytes + resident_bytes - sum(evictable_bytes.values())
     raise BudgetTooSmall(
-        f"compute_memory_budget={budget} bytes cannot hold this module's working set: it needs at least {required}"
+        f"{budget} usable bytes of compute memory cannot hold this module's working set: it needs at least {required}"
         f" bytes ({needed_bytes + resident_bytes - sum(evictable_bytes.values())} of chunks in use and"
         f" {non_model_bytes} of activations). Raise AutoPlacement(compute_memory_budget=...) to at least {required},"
         " or use smaller chunks (chunk_numel) or a smaller batch."

@@ -149,6 +149,11 @@ class GeminiStrategy(ColossalStrategy):
         with self.engine.step_context():
             return super().training_step(*args, **kwargs)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.engine is not None:
+            self.engine.prepare_backward(closure_loss)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def optimizer_step(
         self,
         optimizer: Optimizer,

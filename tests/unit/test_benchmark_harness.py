@@ -16,6 +16,7 @@ from benchmarks.measure import (
     MODEL_STATE_FORMULAS,
     STRATEGY_MODES,
     covered_bytes,
+    gemini_model_state_bytes,
     gradient_bytes,
     optimizer_state_bytes,
     paired_ratios,
@@ -101,6 +102,41 @@ def test_formula_categories_of_zero2() -> None:
 def test_every_known_strategy_maps_to_a_formula() -> None:
     assert set(STRATEGY_MODES.values()) <= set(MODEL_STATE_FORMULAS)
     assert STRATEGY_MODES["colossal_ddp"] == STRATEGY_MODES["ddp"] == "ddp"
+    for gemini in ("colossal_gemini", "colossal_gemini_auto", "colossal_gemini_offload"):
+        assert STRATEGY_MODES[gemini] == STRATEGY_MODES["colossal_fsdp"] == "zero3"
+
+
+def _memory_report(
+    shard: int, master: int, gradient: int, optimizer_state: int, replicated: int = 0, gathered: int = 0
+) -> dict[str, Any]:
+    """A ``GeminiMemoryReport`` as the worker writes it: the NamedTuple and its ``ChunkBytes`` as dicts."""
+    chunks = {
+        "shard": shard,
+        "gathered": gathered,
+        "master": master,
+        "gradient": gradient,
+        "optimizer_state": optimizer_state,
+        "compute": shard + gathered + master + gradient + optimizer_state,
+        "offload": 0,
+    }
+    return {"chunks": chunks, "replicated_bytes": replicated, "num_parameters": 100, "chunk_numel": 64, "num_chunks": 2}
+
+
+def test_gemini_bytes_from_its_memory_report_meet_zero3_in_fp32() -> None:
+    # Ψ = 100 over N = 2 ranks in fp32: the shard is its own master (0 separate bytes), gradient shard 4Ψ/N, Adam
+    # state 8Ψ/N plus two 4-byte step scalars; a gathered chunk does not count.
+    report = _memory_report(shard=200, master=0, gradient=200, optimizer_state=400 + 8, gathered=256)
+    measured = gemini_model_state_bytes(report)
+    assert measured == {"parameters": 200, "gradients": 200, "optimizer_state": 408}
+    formula = MODEL_STATE_FORMULAS[STRATEGY_MODES["colossal_gemini"]].bytes(parameter_count=100, world_size=2)
+    assert (formula.parameters, formula.gradients, formula.optimizer_state) == (200, 200, 400)
+    assert sum(measured.values()) - formula.total == 8
+
+
+def test_gemini_parameters_count_separate_masters_and_parameters_outside_chunks() -> None:
+    # bf16 shards with fp32 masters beside them, and a frozen parameter of 12 bytes whole on every rank.
+    report = _memory_report(shard=100, master=200, gradient=200, optimizer_state=400, replicated=12)
+    assert gemini_model_state_bytes(report)["parameters"] == 100 + 200 + 12
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,6 +215,26 @@ def test_arguments_of_the_documented_command() -> None:
     assert (arguments.repeats, arguments.steps, arguments.warmup, arguments.statistic) == (5, 12, 3, "p20")
     assert arguments.model_config == BENCHMARK_MODEL
     assert (arguments.world_size, arguments.batch_size_per_rank, arguments.sequence_length) == (2, 4, 128)
+
+
+def test_arguments_of_the_documented_gemini_command() -> None:
+    arguments = parse_arguments(
+        [
+            "--strategies",
+            "colossal_gemini,colossal_gemini_offload",
+            "--configuration",
+            "label=lightning_fsdp2",
+            "strategy=lightning.pytorch.strategies:ModelParallelStrategy",
+            'args={"data_parallel_size":2,"tensor_parallel_size":1}',
+            "mode=zero3",
+            "--peer",
+            "lightning_fsdp2",
+        ]
+    )
+    labels = [configuration.label for configuration in arguments.configurations]
+    assert labels == ["colossal_gemini", "colossal_gemini_offload", "lightning_fsdp2"]
+    assert [configuration.mode for configuration in arguments.configurations] == ["zero3"] * 3
+    assert arguments.peer == "lightning_fsdp2"
 
 
 def test_configuration_tokens_carry_class_arguments_and_mode() -> None:
@@ -299,6 +355,45 @@ def test_summaries_pair_runs_within_a_repeat_and_ignore_discarded_runs() -> None
     markdown = format_markdown([ours, peer], "peer", ["Machine: test"])
     assert "1.100 [0.900–1.100] (n=3)" in text and "16Ψ" in text
     assert markdown.startswith("- Machine: test") and "| ours | 0 |" in markdown
+
+
+def _gemini_run(gathered_peak: int | None, walked_optimizer_state: int = 408) -> dict[str, Any]:
+    run = _run("gemini", 0, 1.0)
+    for rank in run["ranks"]:
+        report = _memory_report(shard=200, master=0, gradient=200, optimizer_state=408)
+        rank["bytes"] = {
+            **gemini_model_state_bytes(report),
+            "optimizer_state_by_key": {"exp_avg": 200, "exp_avg_sq": 200, "step": 8},
+            "memory_report": report,
+            "gathered_peak": gathered_peak,
+            "gathered_peak_source": None if gathered_peak is None else "engine",
+            "tensor_walk": {"parameters": 0, "gradients": 200, "optimizer_state": walked_optimizer_state},
+        }
+    return run
+
+
+def test_gemini_summary_is_compared_with_zero3_and_notes_its_report_and_working_set() -> None:
+    configurations: list[dict[str, Any]] = [{"label": "gemini", "strategy": "colossal_gemini", "mode": "zero3"}]
+    (gemini,) = summarize_configurations([_gemini_run(3 * 1024 * 1024)], configurations, None, "min", 1024)
+    assert gemini.formula_expression == "16Ψ/N"
+    assert [rank_bytes.total for rank_bytes in gemini.model_state] == [808, 808]
+    assert gemini.model_state[0].formula_total == pytest.approx(800)
+    assert gemini.model_state[0].gathered_peak == 3 * 1024 * 1024
+    text = format_text([gemini], None, ["Machine: test"])
+    assert "| gemini | 0 |" in format_markdown([gemini], None, ["Machine: test"])
+    assert "memory_report()" in text and "chunks: 2 × 64 elements" in text
+    assert "rank 1: shards 200 B + separate masters 0 B + whole parameters outside chunks 0 B" in text
+    assert "(engine), MiB per rank: 3.00 / 3.00" in text
+    assert "tensor walk differ" not in text
+    assert gemini.to_json()["model_state"][0]["memory_report"]["chunks"]["shard"] == 200
+
+
+def test_gemini_notes_say_when_the_peak_is_missing_and_when_the_counts_disagree() -> None:
+    configurations: list[dict[str, Any]] = [{"label": "gemini", "strategy": "colossal_gemini", "mode": "zero3"}]
+    run = _gemini_run(None, walked_optimizer_state=400)
+    text = format_text(summarize_configurations([run], configurations, None, "min", 1024), None, [])
+    assert "no peak of gathered chunks" in text
+    assert "rank 0: the report and the tensor walk differ: optimizer_state 408 B by the report, 400 B" in text
 
 
 def test_window_other_load_subtracts_every_rank_s_own_cpu_time() -> None:
