@@ -29,6 +29,7 @@ __all__ = [
     "ModelStateFormula",
     "Summary",
     "covered_bytes",
+    "gemini_model_state_bytes",
     "gradient_bytes",
     "optimizer_state_bytes",
     "paired_ratios",
@@ -123,6 +124,33 @@ def optimizer_state_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> tuple[
     return total, by_key
 
 
+def gemini_model_state_bytes(memory_report: Mapping[str, Any]) -> dict[str, int]:
+    """Per-rank model-state bytes of a Gemini rank, from its engine's ``memory_report()`` as a JSON-able mapping.
+
+    The engine detaches its parameters from their values: between uses a parameter is an empty placeholder and its
+    rows live in the chunk shards, so walking ``module.parameters()`` would find no bytes. The report counts the
+    real chunk tensors instead. Its categories map onto the formula's as follows:
+
+    - parameters: the working shards, the fp32 masters when they are separate tensors (they alias an fp32 shard on
+      the same device, and then count 0), and the parameters kept whole outside chunks (frozen ones);
+    - gradients: the fp32 shard gradients (kept allocated between steps);
+    - optimizer state: every tensor of the optimizer's state on the masters (Adam's ``step`` scalars included).
+
+    The gathered chunks and their full gradients are left out: they are working memory that exists only while
+    modules run, like FSDP2's unsharded blocks, and no formula counts them (the harness reports their peak apart).
+
+    Args:
+        memory_report: ``{"chunks": {"shard", "master", "gradient", "optimizer_state", ...}, "replicated_bytes",
+            ...}`` (``GeminiMemoryReport`` with its ``ChunkBytes`` as dicts).
+    """
+    chunks = memory_report["chunks"]
+    return {
+        "parameters": chunks["shard"] + chunks["master"] + memory_report["replicated_bytes"],
+        "gradients": chunks["gradient"],
+        "optimizer_state": chunks["optimizer_state"],
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Model-state formulas
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,7 +223,12 @@ STRATEGY_MODES: dict[str, str] = {
     "colossal_ddp_notebook": "ddp",
     "colossal_zero1": "zero1",
     "colossal_zero2": "zero2",
+    # Gemini shards parameters, gradients and optimizer state over the ranks: ZeRO-3. Placement only decides where
+    # the bytes live; on an accelerator, offloading adds a separate fp32 master in CPU memory (4Ψ/N), which shows as
+    # excess over the formula. On CPU ranks the masters alias the shards, so every placement measures 16Ψ/N.
     "colossal_gemini": "zero3",
+    "colossal_gemini_auto": "zero3",
+    "colossal_gemini_offload": "zero3",
     "colossal_fsdp": "zero3",
     "fsdp": "zero3",
 }

@@ -20,7 +20,11 @@ ACCEPTED_STATUSES = ("accepted",)
 
 @dataclass(frozen=True)
 class RankBytes:
-    """Measured model-state bytes of one rank, next to the formula for its mode."""
+    """Measured model-state bytes of one rank, next to the formula for its mode.
+
+    ``memory_report``, ``gathered_peak`` (with where it came from) and ``tensor_walk`` are only present for Gemini
+    ranks, whose bytes come from the engine's report (see ``benchmarks.measure.gemini_model_state_bytes``).
+    """
 
     rank: int
     parameters: int
@@ -30,6 +34,10 @@ class RankBytes:
     formula_parameters: float | None
     formula_gradients: float | None
     formula_optimizer_state: float | None
+    memory_report: dict[str, Any] | None = None
+    gathered_peak: int | None = None
+    gathered_peak_source: str | None = None
+    tensor_walk: dict[str, int | None] | None = None
 
     @property
     def total(self) -> int:
@@ -88,6 +96,10 @@ def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: in
         formula_parameters=formula.parameters if formula else None,
         formula_gradients=formula.gradients if formula else None,
         formula_optimizer_state=formula.optimizer_state if formula else None,
+        memory_report=measured.get("memory_report"),
+        gathered_peak=measured.get("gathered_peak"),
+        gathered_peak_source=measured.get("gathered_peak_source"),
+        tensor_walk=measured.get("tensor_walk"),
     )
 
 
@@ -245,6 +257,50 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
+def _memory_report_notes(label: str, model_state: Sequence[RankBytes]) -> list[str]:
+    """What a Gemini row's bytes are made of, its gathered working set, and whether the tensor walk agrees."""
+    reports = [
+        (rank_bytes, rank_bytes.memory_report) for rank_bytes in model_state if rank_bytes.memory_report is not None
+    ]
+    if not reports:
+        return []
+    first = reports[0][1]
+    parts = "; ".join(
+        f"rank {rank_bytes.rank}: shards {report['chunks']['shard']:,} B + separate masters "
+        f"{report['chunks']['master']:,} B + whole parameters outside chunks {report['replicated_bytes']:,} B"
+        for rank_bytes, report in reports
+    )
+    notes = [
+        f"{label}: bytes from the engine's memory_report(), because its parameters are empty placeholders between "
+        f"uses (chunks: {first['num_chunks']} × {first['chunk_numel']:,} elements); params = {parts}."
+    ]
+    peaks = [rank_bytes.gathered_peak for rank_bytes, _ in reports]
+    if all(peak is not None for peak in peaks):
+        sources = sorted({str(rank_bytes.gathered_peak_source) for rank_bytes, _ in reports})
+        notes.append(
+            f"{label}: peak of gathered chunks and full gradients ({', '.join(sources)}), MiB per rank: "
+            f"{' / '.join(_mib(peak) for peak in peaks)}. Working memory while modules run, not in the total "
+            "(the peer's unsharded blocks are not in its total either)."
+        )
+    else:
+        notes.append(
+            f"{label}: no peak of gathered chunks: this engine's report has none, and the harness samples it only in "
+            "warm-up steps (give --warmup 1 or more)."
+        )
+    for rank_bytes, _ in reports:
+        walk = rank_bytes.tensor_walk or {}
+        differences = [
+            f"{key} {getattr(rank_bytes, key):,} B by the report, {walk[key]:,} B by the tensors"
+            for key in ("gradients", "optimizer_state")
+            if walk.get(key) is not None and walk[key] != getattr(rank_bytes, key)
+        ]
+        if differences:
+            notes.append(
+                f"{label}: rank {rank_bytes.rank}: the report and the tensor walk differ: {'; '.join(differences)}."
+            )
+    return notes
+
+
 def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
     notes = []
     for summary in summaries:
@@ -253,6 +309,7 @@ def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
         for rank_bytes in summary.model_state[:1]:
             keys = ", ".join(f"{key} {value:,} B" for key, value in rank_bytes.optimizer_state_by_key.items())
             notes.append(f"{summary.label}: optimizer state by key on rank {rank_bytes.rank}: {keys}.")
+        notes.extend(_memory_report_notes(summary.label, summary.model_state))
     return notes
 
 

@@ -4,7 +4,8 @@ The orchestrator (``benchmarks.run``) starts one of these per rank with ``RANK``
 ``MASTER_ADDR`` and ``MASTER_PORT`` set, so Lightning launches nothing and the ranks join through the
 environment. Each rank trains the GPT for ``warmup_steps + measured_steps`` steps and writes
 ``rank<RANK>.json`` into the run's result directory: its step times, peak RSS, model-state bytes and the CPU
-time of the measured window (for the load check of ``benchmarks.machine``).
+time of the measured window (for the load check of ``benchmarks.machine``). Gemini ranks also record their engine's
+``memory_report()`` and the peak of their gathered chunks.
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 
 import lightning_colossal  # noqa: F401  (registers the colossal_* strategy names)
 from benchmarks.configuration import RunSpec
 from benchmarks.machine import read_cpu_times
-from benchmarks.measure import gradient_bytes, optimizer_state_bytes, parameter_bytes
+from benchmarks.measure import gemini_model_state_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from lightning_colossal.demo.data import RandomTokenDataset
 from lightning_colossal.demo.model import GPT, GPTConfig
+from lightning_colossal.gemini import GeminiEngine, GeminiMemoryReport
+from lightning_colossal.strategies import GeminiStrategy
 
 
 class BenchmarkModule(LightningModule):
@@ -74,6 +78,12 @@ class BenchmarkProbe(Callback):
     the optimizer step. Gradient bytes are read in ``on_before_optimizer_step`` of the last step, when the
     gradients of the last backward (after any reduction or sharding) are all present; parameter and optimizer
     bytes at ``on_train_end``, before the strategy tears anything down.
+
+    Under Gemini the parameters are empty placeholders between uses, so the model-state bytes come from the engine's
+    ``memory_report()`` at ``on_train_end`` instead (see ``gemini_model_state_bytes``); the tensor walk is kept
+    beside it as a cross-check. The peak of the gathered chunks is the engine's own figure when its report has one;
+    otherwise it is sampled during the warm-up steps only, so the sampling costs the measured steps nothing
+    (``GatheredPeakSampler``).
     """
 
     def __init__(self, warmup_steps: int, total_steps: int) -> None:
@@ -85,9 +95,15 @@ class BenchmarkProbe(Callback):
         self.bytes: dict[str, Any] = {}
         self.window: dict[str, float] = {}
         self._step_start = 0.0
+        self._gathered_sampler: GatheredPeakSampler | None = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        engine = _gemini_engine(trainer)
+        if engine is not None and batch_idx == 0 and self.warmup_steps > 0 and not _ENGINE_TRACKS_PEAK:
+            self._gathered_sampler = GatheredPeakSampler(engine, pl_module)
         if batch_idx == self.warmup_steps:
+            if self._gathered_sampler is not None:
+                self._gathered_sampler.remove()  # before the window opens: measured steps run without the hooks
             self._open_window()
         self._step_start = time.perf_counter()
 
@@ -117,6 +133,32 @@ class BenchmarkProbe(Callback):
         self.bytes["optimizer_state"] = state_total
         self.bytes["optimizer_state_by_key"] = state_by_key
         self.bytes["parameter_tensors"] = sum(1 for _ in pl_module.parameters())
+        engine = _gemini_engine(trainer)
+        if engine is not None:
+            self._use_memory_report(engine)
+
+    def _use_memory_report(self, engine: GeminiEngine) -> None:
+        """Replace the tensor walk's figures by the engine's own count of its chunk tensors."""
+        report = engine.memory_report()
+        memory_report = {**report._asdict(), "chunks": report.chunks._asdict()}
+        from_report = gemini_model_state_bytes(memory_report)
+        # The walk finds empty placeholders for parameters, but its gradient and optimizer-state figures count the
+        # same tensors as the report: kept so the JSON shows whether the two counts agree.
+        self.bytes["tensor_walk"] = {key: self.bytes.get(key) for key in ("parameters", "gradients", "optimizer_state")}
+        self.bytes["parameters"] = from_report["parameters"]
+        self.bytes["gradients"] = from_report["gradients"]
+        self.bytes["optimizer_state"] = from_report["optimizer_state"]
+        self.bytes["memory_report"] = memory_report
+        sampler = self._gathered_sampler
+        if memory_report.get(_ENGINE_PEAK_FIELD) is not None:
+            self.bytes["gathered_peak"] = memory_report[_ENGINE_PEAK_FIELD]
+            self.bytes["gathered_peak_source"] = "engine"
+        elif sampler is not None and sampler.samples:
+            self.bytes["gathered_peak"] = sampler.peak
+            self.bytes["gathered_peak_source"] = "sampled in the warm-up steps"
+        else:
+            self.bytes["gathered_peak"] = None
+            self.bytes["gathered_peak_source"] = None
 
     def _open_window(self) -> None:
         cpu_times = read_cpu_times()
@@ -133,6 +175,51 @@ class BenchmarkProbe(Callback):
         steal_start = self.window.pop("system_steal_start")
         self.window["system_busy_seconds"] = cpu_times.busy_seconds - busy_start if cpu_times else float("nan")
         self.window["system_steal_seconds"] = cpu_times.steal_seconds - steal_start if cpu_times else float("nan")
+
+
+# An engine whose report carries its own running peak of gathered chunks and full gradients counts every allocation
+# (in-flight reductions too); with it, the harness needs no hooks of its own. Older reports lack the field.
+_ENGINE_PEAK_FIELD = "peak_working_set_bytes"
+_ENGINE_TRACKS_PEAK = _ENGINE_PEAK_FIELD in GeminiMemoryReport._fields
+
+
+def _gemini_engine(trainer: Trainer) -> GeminiEngine | None:
+    strategy = trainer.strategy
+    return strategy.engine if isinstance(strategy, GeminiStrategy) else None
+
+
+class GatheredPeakSampler:
+    """The largest ``memory_report().chunks.gathered`` (whole chunks plus their full gradients) seen while hooked.
+
+    Samples after the engine's own hooks, where chunks are gathered and reduced: after every module's forward
+    pre-hook (the engine gathers there) and after every parameter's post-accumulate-grad hook (the engine fills a
+    chunk's full gradient there, then reduces and releases the chunk once its gradients are complete). Hooks
+    registered later run later, so each sample sees the engine's work done. A sample point falls between the
+    engine's steps, not inside them, so the figure is a lower bound on the true peak; in-flight reduction buffers the
+    report does not count are not in it either.
+    """
+
+    def __init__(self, engine: GeminiEngine, module: LightningModule) -> None:
+        self.engine = engine
+        self.peak = 0
+        self.samples = 0
+        self._handles: list[RemovableHandle] = [
+            submodule.register_forward_pre_hook(lambda *_: self.sample()) for submodule in module.modules()
+        ]
+        self._handles.extend(
+            parameter.register_post_accumulate_grad_hook(lambda _: self.sample())
+            for parameter in module.parameters()
+            if parameter.requires_grad
+        )
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.engine.memory_report().chunks.gathered)
+        self.samples += 1
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def build_strategy(name: str, init_args: dict[str, Any]) -> Strategy | str:
