@@ -91,7 +91,7 @@ def materialise_chunks(module: nn.Module, manager: ChunkManager, device: torch.d
                         parameter.data = pool[: parameter.numel()].view(parameter.shape)
             for submodule in module.modules():
                 if getattr(submodule, "_is_hf_initialized", False):
-                    setattr(submodule, "_is_hf_initialized", False)  # HF skips modules it believes initialised
+                    submodule.__dict__["_is_hf_initialized"] = False  # HF skips modules it believes initialised
             for initialiser in initialisers:
                 initialiser()
             for index in window:
