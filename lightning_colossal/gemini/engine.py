@@ -15,8 +15,9 @@ Whether a chunk's gradients are complete is a local fact (a parameter may get no
 collectives must match across ranks. Chunk ``k`` is reduced only after every chunk above it was, on a group of its
 own (manager.py [Note: two groups]); before backward the strategy counts which parameters the loss reaches
 (``prepare_backward``), so a chunk is complete when those are in; chunks left at the end of backward are reduced
-then, with zeros for missing gradients. So a parameter that gets no gradient neither hangs nor desynchronises. What every rank must share is the set of modules
-run in forward and reached in backward (gathers are collectives too), as with FSDP.
+then, with zeros for missing gradients. So a parameter that gets no gradient neither hangs nor desynchronises.
+What every rank must share is the set of modules run in forward and reached in backward (gathers are collectives
+too), as with FSDP.
 
 [Note: gradient accumulation]
 Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
@@ -143,8 +144,7 @@ class GeminiEngine:
         self._install_hooks()
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
-        for chunk in self.manager.chunks:  # without prepare_backward, wait for every trainable parameter
-            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
+        self._expect_every_gradient()
         self._prefetched: set[int] = set()
         self.budget = self._budget()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
@@ -294,9 +294,7 @@ class GeminiEngine:
             )
 
     def _gather(self, chunk: Chunk) -> None:
-        if chunk.shard_location is Location.OFFLOAD and not self.manager.plan.offload_parameters.__contains__(
-            chunk.index
-        ):
+        if chunk.shard_location is Location.OFFLOAD and chunk.index not in self.manager.plan.offload_parameters:
             # Automatic placement evicted it earlier: its shard comes back with it.
             self.manager.move_shard(chunk, Location.COMPUTE)
         self.manager.gather(chunk)
@@ -304,9 +302,7 @@ class GeminiEngine:
 
     # ---------------------------------------------------------------------------------------------- backward
     def _before_backward(self, module_id: int) -> None:
-        if not self._backward_callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._backward_callback_queued = True
+        self._queue_end_of_backward()
         needed = self._module_chunks[module_id]
         position = self._trace("backward", module_id, needed)
         self._make_room(needed, position)
@@ -318,6 +314,16 @@ class GeminiEngine:
             if chunk.state is ChunkState.GATHERED:
                 chunk.move(ChunkState.AWAITING_GRADIENTS)
         self._prefetch(position)
+
+    def _expect_every_gradient(self) -> None:
+        """Without ``prepare_backward``, a chunk waits for every trainable parameter it holds."""
+        for chunk in self.manager.chunks:
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._backward_callback_queued = True
 
     def prepare_backward(self, loss: Tensor) -> None:
         """Before ``loss.backward()``: count, per chunk, the parameters this backward will reach.
@@ -350,9 +356,7 @@ class GeminiEngine:
         chunk.member_full(full_gradient, member).add_(parameter.grad)
         parameter.grad = None
         chunk.gradients_arrived += 1
-        if not self._backward_callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._backward_callback_queued = True
+        self._queue_end_of_backward()
         self._reduce_in_order(force=False)
 
     def _reduce_in_order(self, force: bool) -> None:
@@ -380,8 +384,7 @@ class GeminiEngine:
                 chunk.move(ChunkState.GATHERED)
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
-        for chunk in self.manager.chunks:  # without prepare_backward, wait for every trainable parameter
-            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
+        self._expect_every_gradient()
         self.manager.attach_master_gradients()
         self.tracer.finish()
 
@@ -469,11 +472,7 @@ class GeminiEngine:
     # ---------------------------------------------------------------------------------------------- step
     def after_step(self, stepped: bool) -> None:
         """Refresh the working shards from the stepped masters, drop gathered (now stale) chunks, zero gradients."""
-        for chunk in self.manager.chunks:
-            if chunk.state is ChunkState.GATHERING:
-                self.manager.wait(chunk)
-            if chunk.state is ChunkState.GATHERED:
-                self.manager.release(chunk)
+        self.release_all()
         if stepped:
             self.manager.masters_to_shards()
         self.manager.zero_gradients()

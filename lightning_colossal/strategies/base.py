@@ -260,6 +260,28 @@ class ColossalStrategy(ParallelStrategy):
         self.model_to_device()
         return fitting
 
+    def _setup_single_optimizer(self, trainer: Any, manual_reason: str, manual_alternatives: str) -> Optimizer:
+        """Build the one optimizer a sharding engine takes over; refuse manual optimization and several optimizers.
+
+        Args:
+            manual_reason: why the engine cannot leave the step to the user (what it owns).
+            manual_alternatives: the strategy names to use instead for manual optimization.
+        """
+        assert self.lightning_module is not None
+        name = type(self).__name__
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"{name} does not support manual optimization ({manual_reason}). Use automatic optimization, or"
+                f" {manual_alternatives} for manual optimization."
+            )
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"{name} shards exactly one optimizer; `configure_optimizers` returned {len(self.optimizers)}."
+                " Put all parameters into one optimizer with several param groups."
+            )
+        return _unwrap_optimizer(self.optimizers[0])
+
     def setup_precision_plugin(self) -> None:
         super().setup_precision_plugin()
         plugin = self.precision_plugin

@@ -28,7 +28,7 @@ from lightning_colossal.config import (
     StaticPlacement,
 )
 from lightning_colossal.gemini import GeminiEngine
-from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
+from lightning_colossal.strategies.base import ColossalStrategy
 
 
 class GeminiStrategy(ColossalStrategy):
@@ -106,19 +106,12 @@ class GeminiStrategy(ColossalStrategy):
             self.engine = None
         optimizer = None
         if fitting:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError(
-                    "GeminiStrategy does not support manual optimization (the engine owns when chunks are gathered,"
-                    " reduced and refreshed around the optimizer step). Use automatic optimization, or `colossal_ddp`"
-                    " / `colossal_fsdp` for manual optimization."
-                )
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"GeminiStrategy shards exactly one optimizer; `configure_optimizers` returned"
-                    f" {len(self.optimizers)}. Put all parameters into one optimizer with several param groups."
-                )
-            optimizer = _unwrap_optimizer(self.optimizers[0])
+            optimizer = self._setup_single_optimizer(
+                trainer,
+                manual_reason="the engine owns when chunks are gathered, reduced and refreshed around the optimizer"
+                " step",
+                manual_alternatives="`colossal_ddp` / `colossal_fsdp`",
+            )
         self.engine = GeminiEngine(
             self.lightning_module,
             optimizer,

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod, ZeroConfig
-from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
+from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.zero import ZeroEngine
 
 
@@ -96,21 +96,14 @@ class ZeroStrategy(ColossalStrategy):
             self.engine.remove()
             self.engine = None
         if fitting:
-            if not self.lightning_module.automatic_optimization:
-                raise ValueError(
-                    "ZeroStrategy does not support manual optimization (the engine owns when gradients are reduced"
-                    " and parameters re-synchronised). Use automatic optimization, or `colossal_ddp` for manual"
-                    " optimization."
-                )
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroStrategy shards exactly one optimizer; `configure_optimizers` returned {len(self.optimizers)}."
-                    " Put all parameters into one optimizer with several param groups."
-                )
+            optimizer = self._setup_single_optimizer(
+                trainer,
+                manual_reason="the engine owns when gradients are reduced and parameters re-synchronised",
+                manual_alternatives="`colossal_ddp`",
+            )
             self.engine = ZeroEngine(
                 self.model,
-                _unwrap_optimizer(self.optimizers[0]),
+                optimizer,
                 self.zero_config,
                 self.device_mesh["dp"],
                 self.root_device,
