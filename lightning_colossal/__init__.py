@@ -10,6 +10,7 @@ from lightning_colossal.config import (
     AutoPlacement,
     DDPConfig,
     GeminiConfig,
+    HybridConfig,
     LossScalerConfig,
     StaticPlacement,
     ZeroConfig,
@@ -21,6 +22,7 @@ from lightning_colossal.strategies import (
     ColossalFSDPStrategy,
     ColossalStrategy,
     GeminiStrategy,
+    HybridParallelStrategy,
     ZeroStrategy,
 )
 
@@ -45,6 +47,8 @@ __all__ = [
     "DynamicLossScaler",
     "GeminiConfig",
     "GeminiStrategy",
+    "HybridConfig",
+    "HybridParallelStrategy",
     "LossScalerConfig",
     "StaticPlacement",
     "ZeroConfig",

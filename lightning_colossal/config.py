@@ -289,3 +289,140 @@ def validate_start_method(start_method: str) -> StartMethod:
             f"start_method={start_method!r}: choose 'popen' (scripts, torchrun, SLURM), 'spawn', or 'fork' (notebooks)."
         )
     return start_method  # type: ignore[return-value]
+
+
+SequenceParallelMode = Literal["split_gather", "all_to_all"]
+PipelineSchedule = Literal["1f1b", "interleaved", "zbv"]
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zbv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """Settings of the hybrid 3D engine (``lightning_colossal.parallel``): tensor, pipeline, sequence, data parallel.
+
+    The data-parallel size is what is left: ``world_size / (tp_size * pp_size * sp_size)``.
+
+    Args:
+        tp_size: tensor-parallel ranks (attention heads, MLP width and vocabulary are split over them).
+        pp_size: pipeline stages the layers are split into.
+        sp_size: Ulysses sequence-parallel ranks (``sequence_parallel="all_to_all"``).
+        zero_stage: 0 all-reduces gradients over the data-parallel axis; 1 shards optimizer state; 2 also shards
+            gradients (not with ``pp_size > 1``).
+        sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the tensor-parallel
+            group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for none, which becomes
+            ``"all_to_all"`` when ``sp_size > 1``.
+        pp_schedule: ``"1f1b"``, ``"interleaved"`` (1F1B over ``num_model_chunks`` chunks per rank) or ``"zbv"``
+            (zero-bubble V schedule, two chunks per rank).
+        num_microbatches: micro-batches per pipeline step; set this or ``microbatch_size`` when ``pp_size > 1``.
+        microbatch_size: samples per micro-batch (the alternative to ``num_microbatches``).
+        num_model_chunks: model chunks per pipeline rank: 1 for 1F1B, at least 2 for interleaved, 2 for ZB-V.
+        layers_per_stage: layers of each pipeline stage (``pp_size * num_model_chunks`` entries), or ``None`` to split
+            as evenly as possible (the remainder going to the middle stages).
+        activation_checkpointing: recompute each transformer layer's activations in backward.
+        bucket_size_mb: gradient all-reduce bucket size (MiB) on the data-parallel axis.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    sp_size: int = 1
+    zero_stage: int = 0
+    sequence_parallel: SequenceParallelMode | None = None
+    pp_schedule: PipelineSchedule = "1f1b"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    num_model_chunks: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+    activation_checkpointing: bool = False
+    bucket_size_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "sp_size", "num_model_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
+        if self.zero_stage not in (0, 1, 2):
+            raise ValueError(
+                f"zero_stage={self.zero_stage}: pass 0 (all-reduce gradients), 1 (shard optimizer state) or 2 (also"
+                " shard gradients). For sharded parameters use `colossal_gemini` or `colossal_fsdp`."
+            )
+        if self.zero_stage == 2 and self.pp_size > 1:
+            raise ValueError(
+                "zero_stage=2 with pp_size > 1 would reduce-scatter gradients after every micro-batch of the pipeline"
+                " schedule (ZeRO-2 keeps no full gradients to accumulate into): use zero_stage=1 with pipelines."
+            )
+        if self.sp_size > 1 and self.sequence_parallel is None:
+            object.__setattr__(self, "sequence_parallel", "all_to_all")
+        if self.sequence_parallel not in (None, "split_gather", "all_to_all"):
+            raise ValueError(
+                f"sequence_parallel={self.sequence_parallel!r}: pass None, 'split_gather' or 'all_to_all'."
+            )
+        if self.sequence_parallel == "split_gather":
+            if self.tp_size == 1:
+                raise ValueError(
+                    "sequence_parallel='split_gather' shards activations over the tensor-parallel ranks, but tp_size=1:"
+                    " set tp_size > 1, or use sequence_parallel='all_to_all' with sp_size > 1."
+                )
+            if self.sp_size > 1:
+                raise ValueError(
+                    f"sp_size={self.sp_size} is the Ulysses axis, but sequence_parallel='split_gather' runs on the"
+                    " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
+                )
+        if self.sequence_parallel == "all_to_all" and self.sp_size == 1:
+            raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
+        if self.pp_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pp_schedule={self.pp_schedule!r}: pass '1f1b', 'interleaved' or 'zbv'.")
+        self._validate_pipeline()
+        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
+
+    def _validate_pipeline(self) -> None:
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        if self.pp_size == 1:
+            if self.num_model_chunks != 1 or self.layers_per_stage is not None:
+                raise ValueError(
+                    "num_model_chunks and layers_per_stage split the model over pipeline stages, but pp_size=1: set"
+                    " pp_size > 1 or leave them at their defaults."
+                )
+            return
+        if (self.num_microbatches is None) == (self.microbatch_size is None):
+            raise ValueError(
+                "pp_size > 1 needs exactly one of num_microbatches or microbatch_size (how each batch is split into"
+                " micro-batches), e.g. num_microbatches=4."
+            )
+        for name in ("num_microbatches", "microbatch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
+        if self.pp_schedule == "1f1b" and self.num_model_chunks != 1:
+            raise ValueError(
+                f"pp_schedule='1f1b' runs one model chunk per rank, but num_model_chunks={self.num_model_chunks}: use"
+                " pp_schedule='interleaved' for several chunks, or num_model_chunks=1."
+            )
+        if self.pp_schedule == "interleaved" and self.num_model_chunks < 2:
+            raise ValueError(
+                "pp_schedule='interleaved' needs num_model_chunks >= 2 (chunks of layers per rank, visited in turn):"
+                " pass e.g. num_model_chunks=2."
+            )
+        if self.pp_schedule == "zbv" and self.num_model_chunks != 2:
+            raise ValueError(
+                f"pp_schedule='zbv' places exactly two chunks per rank in a V, but num_model_chunks="
+                f"{self.num_model_chunks}: pass num_model_chunks=2."
+            )
+        if self.layers_per_stage is not None:
+            expected = self.pp_size * self.num_model_chunks
+            if len(self.layers_per_stage) != expected or any(count < 1 for count in self.layers_per_stage):
+                raise ValueError(
+                    f"layers_per_stage={list(self.layers_per_stage)} must have pp_size * num_model_chunks = {expected}"
+                    " positive entries (layers of stage 0, 1, ...), or be None for an even split."
+                )
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: ``tp_size * pp_size * sp_size``."""
+        return self.tp_size * self.pp_size * self.sp_size
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in total (``pp_size * num_model_chunks``)."""
+        return self.pp_size * self.num_model_chunks

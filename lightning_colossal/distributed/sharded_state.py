@@ -8,7 +8,7 @@ other, by ``colossal_ddp`` and by ``torch.distributed.checkpoint`` at any world 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +71,16 @@ def initialise_optimizer_state(optimizer: Optimizer, masters: Sequence[Tensor]) 
 
 
 def optimizer_state_by_name(
-    optimizer: Optimizer, masters: Sequence[ShardedMaster], device_mesh: DeviceMesh
+    optimizer: Optimizer,
+    masters: Sequence[ShardedMaster],
+    device_mesh: DeviceMesh,
+    describe: Callable[[ShardedMaster, Tensor], Tensor] | None = None,
 ) -> dict[str, Any]:
-    """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
+    """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state.
+
+    ``describe`` replaces the default description (``as_global`` on ``device_mesh``) when the rows are themselves a
+    piece of a larger tensor (a tensor-parallel shard under hybrid parallelism).
+    """
     initialise_optimizer_state(optimizer, [entry.master for entry in masters])
     entry_of = {id(entry.master): entry for entry in masters}
     state: dict[str, Any] = {}
@@ -84,11 +91,20 @@ def optimizer_state_by_name(
             entry = entry_of[id(master)]
             names.append(entry.name)
             state[entry.name] = {
-                key: as_global(value, entry.spec, device_mesh) if is_shard_state(value, master) else value
+                key: _describe(entry, value, device_mesh, describe) if is_shard_state(value, master) else value
                 for key, value in optimizer.state[master].items()
             }
         param_groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": names})
     return {"state": state, "param_groups": param_groups}
+
+
+def _describe(
+    entry: ShardedMaster,
+    value: Tensor,
+    device_mesh: DeviceMesh,
+    describe: Callable[[ShardedMaster, Tensor], Tensor] | None,
+) -> Tensor:
+    return describe(entry, value) if describe is not None else as_global(value, entry.spec, device_mesh)
 
 
 def load_optimizer_state_by_name(

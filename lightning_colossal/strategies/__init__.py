@@ -4,6 +4,7 @@ from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
 from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
 from lightning_colossal.strategies.gemini import GeminiStrategy
+from lightning_colossal.strategies.hybrid import HybridParallelStrategy
 from lightning_colossal.strategies.zero import ZeroStrategy
 
 ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (
@@ -11,6 +12,7 @@ ALL_STRATEGIES: tuple[type[ColossalStrategy], ...] = (
     ZeroStrategy,
     ColossalFSDPStrategy,
     GeminiStrategy,
+    HybridParallelStrategy,
 )
 
 __all__ = [
@@ -19,5 +21,6 @@ __all__ = [
     "ColossalFSDPStrategy",
     "ColossalStrategy",
     "GeminiStrategy",
+    "HybridParallelStrategy",
     "ZeroStrategy",
 ]

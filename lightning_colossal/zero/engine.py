@@ -14,7 +14,7 @@ and all-reduces it: since the owned rows partition the parameter, the sum is exa
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -51,6 +51,9 @@ class ZeroEngine:
         config: ZeRO settings.
         device_mesh: 1-D mesh of the data-parallel ranks (describes optimizer state shards in checkpoints).
         compute_device: where the model computes.
+        describe: how a master (or state shaped like it) is described as a piece of the whole tensor in checkpoints;
+            by default a ``Shard(0)`` DTensor on ``device_mesh``. Hybrid parallelism passes one for tensor-parallel
+            shards.
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class ZeroEngine:
         config: ZeroConfig,
         device_mesh: DeviceMesh,
         compute_device: torch.device,
+        describe: Callable[[ShardedMaster, Tensor], Tensor] | None = None,
     ) -> None:
         self.module = module
+        self.describe = describe
         self.optimizer = optimizer
         self.config = config
         self.device_mesh = device_mesh
@@ -305,9 +310,13 @@ class ZeroEngine:
     def masters_by_name(self) -> dict[str, Tensor]:
         """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
         return {
-            member.name: sharded_state.as_global(master, member.spec, self.device_mesh)
-            for member, master in zip(self.members, self.masters, strict=True)
+            entry.name: self._described(entry, entry.master) for entry in self.sharded_masters
         }
+
+    def _described(self, entry: ShardedMaster, value: Tensor) -> Tensor:
+        if self.describe is not None:
+            return self.describe(entry, value)
+        return sharded_state.as_global(value, entry.spec, self.device_mesh)
 
     def masters_to_parameters(self) -> None:
         """After masters were loaded: write them into the parameters and re-synchronise the replicas."""
@@ -331,11 +340,18 @@ class ZeroEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
-        return sharded_state.optimizer_state_by_name(self.optimizer, self.sharded_masters, self.device_mesh)
+        return sharded_state.optimizer_state_by_name(
+            self.optimizer, self.sharded_masters, self.device_mesh, self.describe
+        )
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
+
+    def reduce_now(self) -> None:
+        """Reduce the gradients accumulated so far, outside of a backward pass (after a pipeline schedule, whose
+        micro-batches ran inside ``no_sync``)."""
+        self.reducer.flush()
 
     def remove(self) -> None:
         self.reducer.remove_hooks()

@@ -281,6 +281,15 @@ class GradientReducer:
         self._callback_queued = False
         self.on_finished()
 
+    def flush(self) -> None:
+        """Reduce now what backward passes run under ``blocked`` accumulated (stage 1), then finish as backward would."""
+        assert self.stage == 1, "stage 2 reduces during backward; it never holds unreduced full gradients"
+        for bucket in self.buckets:
+            for member in bucket.members:
+                if member.parameter.grad is not None:
+                    self._keep_in_bucket(member, bucket)
+        self.finish()
+
     def _complete(self, bucket: Bucket) -> None:
         assert bucket.gradients is not None
         if self.stage == 1:

@@ -1,0 +1,126 @@
+"""Collectives that autograd can differentiate: the communication of tensor and sequence parallelism.
+
+Each function is the forward of a pair whose backward is its adjoint (Megatron's ``f``/``g`` operators):
+
+| forward                                 | backward                         | used by                               |
+|-----------------------------------------|----------------------------------|---------------------------------------|
+| identity                                | all-reduce                       | input of a column-parallel linear      |
+| all-reduce                              | identity                         | output of a row-parallel linear        |
+| all-gather along a dim                  | reduce-scatter along that dim    | sequence shards into a column linear  |
+| reduce-scatter along a dim              | all-gather along that dim        | row linear output into sequence shards |
+| keep this rank's slice along a dim      | all-gather along that dim        | splitting a replicated activation     |
+| all-to-all (scatter one dim, gather one)| the reverse all-to-all           | Ulysses attention                      |
+
+A group of one makes every function the identity, so single-rank runs take the same code path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_colossal.distributed import collectives
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return tensor
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return collectives.send_receive_sum(gradient.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return collectives.send_receive_sum(tensor.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gradient, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return collectives.gather_along(tensor, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return collectives.reduce_scatter_along(gradient, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return collectives.reduce_scatter_along(tensor, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return collectives.gather_along(gradient, ctx.dim, ctx.group), None, None
+
+
+class _SplitAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        size = collectives.world_size(group)
+        if tensor.shape[dim] % size != 0:
+            raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {size} equal slices.")
+        return tensor.chunk(size, dim=dim)[collectives.rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return collectives.gather_along(gradient.contiguous(), ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.scatter_dim, ctx.gather_dim, ctx.group = scatter_dim, gather_dim, group
+        return collectives.all_to_all_along(tensor, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return collectives.all_to_all_along(gradient, ctx.gather_dim, ctx.scatter_dim, ctx.group), None, None, None
+
+
+def _alone(group: ProcessGroup | None) -> bool:
+    return group is None or collectives.world_size(group) == 1
+
+
+def copy_to_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward."""
+    return tensor if _alone(group) else _CopyToGroup.apply(tensor, group)
+
+
+def reduce_from_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (sum) forward, identity backward."""
+    return tensor if _alone(group) else _ReduceFromGroup.apply(tensor, group)
+
+
+def gather_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather along ``dim`` forward, reduce-scatter (sum) backward."""
+    return tensor if _alone(group) else _GatherAlong.apply(tensor, dim, group)
+
+
+def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Reduce-scatter (sum) along ``dim`` forward, all-gather backward."""
+    return tensor if _alone(group) else _ReduceScatterAlong.apply(tensor, dim, group)
+
+
+def split_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """This rank's equal slice along ``dim`` forward, all-gather backward."""
+    return tensor if _alone(group) else _SplitAlong.apply(tensor, dim, group)
+
+
+def all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """Scatter ``scatter_dim`` and gather ``gather_dim`` over the group; backward does the reverse."""
+    return tensor if _alone(group) else _AllToAll.apply(tensor, scatter_dim, gather_dim, group)

@@ -1,0 +1,404 @@
+"""Hybrid 3D parallelism: tensor, pipeline, sequence and data parallelism (with ZeRO) on one model. No Lightning.
+
+Set-up order (fixed, as torchtitan's): replicate weights from rank 0, split layers over the tensor-parallel ranks
+and install sequence parallelism (the policy), recompute layers (activation checkpointing), cut the pipeline
+stages, then, once the optimizer exists, attach data parallelism: a gradient averager (``zero_stage=0``) or the
+ZeRO engine over the dp x sp ranks (``parallel/groups.py`` [Note: the gradient-reduction axis]).
+
+[Note: names survive parallelisation]
+Policies replace modules under their original attribute names and pipeline pruning replaces unused layers by
+``nn.Identity`` (keeping indices) and drops the embedding/head attributes, so every parameter this rank still
+holds has the name it had in the user's model. Checkpoints store each tensor-parallel shard as a DTensor of the
+whole parameter under that name; DCP assembles and re-cuts them for any other layout.
+
+[Note: tied weights across stages]
+The embedding (first stage) and a tied LM head (last stage) are one parameter in the user's model and two copies
+under pipelining. Their gradients are summed over the stages that hold them before the data-parallel reduction,
+so both copies take identical steps. Optimizer state is saved under the parameter's first name (its canonical
+name), which both copies share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim import Optimizer
+
+from lightning_colossal.config import HybridConfig, ZeroConfig
+from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.sharded_state import ShardedMaster
+from lightning_colossal.parallel.data_parallel import GradientAverager
+from lightning_colossal.parallel.groups import HybridGroups, stage_tie_group
+from lightning_colossal.parallel.pipeline import PipelineRunner, split_layers, stages_of_rank
+from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
+from lightning_colossal.parallel.tensor_parallel import (
+    ParallelContext,
+    TensorParallelPlacement,
+    describe_shard,
+    full_from_shards,
+    shard_of,
+    vocab_sharded,
+)
+from lightning_colossal.zero.engine import ZeroEngine
+
+
+class HybridEngine:
+    """Parallelises ``model`` (a submodule of ``root``) in place and runs its gradient and step bookkeeping.
+
+    Args:
+        root: the module whose parameter names checkpoints use (the LightningModule).
+        model: the model the policy knows (``root`` itself or one of its submodules).
+        policy: the model's policy.
+        config: hybrid settings.
+        groups: process groups from ``groups.build_groups``.
+        device: where the model computes.
+        timeout: timeout of the extra groups created here.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        model: nn.Module,
+        policy: ModelPolicy,
+        config: HybridConfig,
+        groups: HybridGroups,
+        device: torch.device,
+        timeout: timedelta,
+    ) -> None:
+        self.root, self.model, self.policy, self.config, self.groups = root, model, policy, config, groups
+        self.device = device
+        self.context = ParallelContext(
+            tp_group=groups.tp_group,
+            tp_mesh=groups.tp_mesh,
+            sp_group=groups.sp_group,
+            split_gather=config.sequence_parallel == "split_gather",
+        )
+        self._replicate_from_rank_zero()
+        self.names_of: dict[int, list[str]] = _names_by_parameter(root)
+        self.full_shapes: dict[int, torch.Size] = {key: _shape_of(root, names[0]) for key, names in self.names_of.items()}
+        self.plan: ParallelPlan = policy.parallelize(model, self.context)
+        self._rekey_after_replacement()
+        self._gradient_hooks = [
+            parameter.register_hook(self._sum_over_tensor_parallel) for parameter in self.plan.sequence_partial
+        ]
+        if config.activation_checkpointing:
+            policy.wrap_layers_for_recomputation(model)
+        self.runner: PipelineRunner | None = None
+        self.tied: list[nn.Parameter] = []
+        self.tie_group = None
+        self.holds_first_stage = True
+        if config.pp_size > 1:
+            self._cut_pipeline(timeout)
+        self.zero: ZeroEngine | None = None
+        self.averager: GradientAverager | None = None
+        self._blocked = False
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def _replicate_from_rank_zero(self) -> None:
+        # Every rank must start from the same whole weights before taking its shard (as DDP broadcasts at wrap).
+        with torch.no_grad():
+            for tensor in [*self.root.parameters(), *self.root.buffers()]:
+                if not tensor.is_meta:
+                    collectives.broadcast_tensor(tensor.data, source_rank=0)
+
+    def _rekey_after_replacement(self) -> None:
+        """Policies created new parameters: re-read names, keep the whole shapes (see [Note: names survive...])."""
+        old_shapes = dict(self.full_shapes)
+        shapes_by_name = {names[0]: old_shapes[key] for key, names in self.names_of.items()}
+        self.names_of = _names_by_parameter(self.root)
+        self.full_shapes = {}
+        for key, names in self.names_of.items():
+            self.full_shapes[key] = shapes_by_name.get(names[0], _shape_of(self.root, names[0]))
+
+    def _cut_pipeline(self, timeout: timedelta) -> None:
+        config, groups = self.config, self.groups
+        layers = self.policy.layers(self.model)
+        ranges = split_layers(len(layers), config.num_stages, config.layers_per_stage)
+        stage_indices = stages_of_rank(groups.pp_rank, groups.pp_size, config.num_model_chunks, config.pp_schedule)
+        last = config.num_stages - 1
+        modules = [
+            self.policy.stage_module(self.model, list(ranges[index]), index == 0, index == last, self.context)
+            for index in stage_indices
+        ]
+        keep = {layer for index in stage_indices for layer in ranges[index]}
+        multiple_names = {key for key, names in self.names_of.items() if len(names) > 1}
+        self.policy.prune(self.model, keep, first=0 in stage_indices, last=last in stage_indices)
+        self.holds_first_stage = 0 in stage_indices
+        # Who holds the first and last stage (rank 0 and S-1; both on rank 0 for the V schedule).
+        holders = sorted({0, stages_of_rank_holding(last, groups.pp_size, config)})
+        self.tie_group = stage_tie_group(groups.mesh, holders, timeout) if len(holders) > 1 else None
+        present = {id(parameter) for parameter in self.root.parameters()}
+        self.tied = [
+            parameter for parameter in self.root.parameters() if id(parameter) in multiple_names and id(parameter) in present
+        ] if self.tie_group is not None else []
+        assert groups.pp_group is not None
+        self.runner = PipelineRunner(
+            modules, stage_indices, config.num_stages, groups.pp_group, self.device, config.pp_schedule, self._stage_loss
+        )
+        self._loss_function: Callable[[Tensor, Any], Tensor] | None = None
+        self._loss_multiplier = 1.0
+
+    def attach_optimizer(self, optimizer: Optimizer) -> None:
+        """Data parallelism over dp x sp for the optimizer's parameters: averaging, or ZeRO-1/2."""
+        config, groups = self.config, self.groups
+        if config.zero_stage == 0:
+            in_optimizer = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
+            self.averager = GradientAverager(in_optimizer, groups.reduce_group, bucket_numel)
+            return
+        zero_config = ZeroConfig(stage=config.zero_stage, bucket_size_mb=config.bucket_size_mb)
+        self.zero = ZeroEngine(
+            self.root, optimizer, zero_config, groups.reduce_mesh, self.device, describe=self._describe_master
+        )
+
+    # ---------------------------------------------------------------------------------------------- gradients
+    def _sum_over_tensor_parallel(self, gradient: Tensor) -> Tensor:
+        # Split-gather sequence parallelism: this rank's gradient covers its sequence shard only.
+        return collectives.send_receive_sum(gradient.clone(), self.groups.tp_group)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A non-final micro-batch of gradient accumulation: keep gradients local."""
+        self._blocked = True
+        context = self.zero.no_sync() if self.zero is not None else nullcontext()
+        try:
+            with context:
+                yield
+        finally:
+            self._blocked = False
+
+    def after_backward(self) -> None:
+        """After the last backward of a step: tie stages, then average over data parallelism (ZeRO-1/2 reduced
+        during backward already, except after a pipeline schedule)."""
+        if self._blocked:
+            return
+        if self.tie_group is not None:
+            for parameter in self.tied:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                collectives.send_receive_sum(parameter.grad, self.tie_group)
+        if self.averager is not None:
+            self.averager.average()
+        elif self.zero is not None and self.runner is not None:
+            self.zero.reduce_now()
+
+    def after_step(self, stepped: bool) -> None:
+        if self.zero is not None:
+            self.zero.after_step(stepped)
+
+    # ---------------------------------------------------------------------------------------------- clipping
+    def _counted_here(self, parameter_key: int, replicated_over_reduce: bool) -> bool:
+        """Whether this rank adds a gradient's square to the global norm (each element counted exactly once)."""
+        groups = self.groups
+        if parameter_key not in self.plan.placements and groups.tp_rank != 0:
+            return False  # identical on every tensor-parallel rank
+        if replicated_over_reduce and groups.reduce_rank != 0:
+            return False  # identical on every data-parallel rank
+        if any(id(parameter) == parameter_key for parameter in self.tied) and not self.holds_first_stage:
+            return False  # the first stage counts a weight tied across stages
+        return True
+
+    def _gradients_for_norm(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(every gradient the step uses, the ones this rank counts in the norm)."""
+        if self.zero is not None:
+            entries = [(entry, entry.master.grad) for entry in self.zero.sharded_masters]
+            owner = {entry.name: member.parameter for entry, member in zip(self.zero.sharded_masters, self.zero.members, strict=True)}
+            all_gradients = [gradient for _, gradient in entries if gradient is not None]
+            counted = [
+                gradient
+                for entry, gradient in entries
+                if gradient is not None
+                and gradient.numel()
+                and self._counted_here(id(owner[entry.name]), replicated_over_reduce=entry.spec.replicated)
+            ]
+            return all_gradients, counted
+        assert self.averager is not None
+        all_gradients = [parameter.grad for parameter in self.averager.parameters if parameter.grad is not None]
+        counted = [
+            parameter.grad
+            for parameter in self.averager.parameters
+            if parameter.grad is not None and self._counted_here(id(parameter), replicated_over_reduce=True)
+        ]
+        return all_gradients, counted
+
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip by the L2 norm over every rank's gradients (tensor, pipeline and data parallel); returns the norm."""
+        all_gradients, counted = self._gradients_for_norm()
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        for gradient in counted:
+            squares += gradient.double().pow(2).sum().to(self.device)
+        collectives.all_reduce(squares, op="sum")
+        norm = squares.sqrt().float()
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for gradient in all_gradients:
+            gradient.mul_(coefficient.to(gradient.device))
+        return norm
+
+    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
+        for gradient in self._gradients_for_norm()[0]:
+            gradient.clamp_(-clip_value, clip_value)
+
+    # ---------------------------------------------------------------------------------------------- pipeline
+    def _stage_loss(self, output: Tensor, target: Any) -> Tensor:
+        assert self._loss_function is not None
+        if self.context.tp_size > 1 and output.dim() >= 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                loss = self._loss_function(vocab_sharded(output, self.context), target)
+                if isinstance(loss, DTensor):
+                    loss = loss.to_local()
+        else:
+            loss = self._loss_function(output, target)
+        return loss * self._loss_multiplier
+
+    def pipeline_step(
+        self,
+        inputs: Tensor | None,
+        targets: Any,
+        num_microbatches: int,
+        loss_function: Callable[[Tensor, Any], Tensor],
+        loss_multiplier: float,
+    ) -> Tensor | None:
+        """Forward and backward of every micro-batch; the mean loss on the rank holding the last stage.
+
+        ``loss_multiplier`` scales each micro-batch loss before backward (loss scale / accumulation), not the result.
+        """
+        assert self.runner is not None
+        self._loss_function = loss_function
+        self._loss_multiplier = loss_multiplier
+        context = self.zero.no_sync() if self.zero is not None else nullcontext()
+        with context:
+            result = self.runner.train_step(inputs, targets, num_microbatches)
+        return None if result.loss is None else result.loss / loss_multiplier
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def placement_of(self, parameter: Tensor) -> TensorParallelPlacement | None:
+        return self.plan.placements.get(id(parameter))
+
+    def _whole(self, local: Tensor, key: int) -> Tensor:
+        """``local`` (shaped like this rank's shard of parameter ``key``) as a piece of the whole tensor."""
+        placement = self.plan.placements.get(key)
+        if placement is None or self.context.tp_size == 1:
+            return local
+        if placement.fused_parts > 1:
+            return full_from_shards(local, placement, self.context.tp_group)
+        return describe_shard(local, placement, self.groups.tp_mesh, self.full_shapes[key])
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's weights by the root's names, tensor-parallel shards as DTensors of the whole parameters."""
+        state: dict[str, Any] = {}
+        by_tensor = {id(parameter): parameter for parameter in self.root.parameters()}
+        local_state = self.root.state_dict()
+        for name, value in local_state.items():
+            key = _key_of(self.root, name)
+            state[name] = self._whole(value, key) if key in by_tensor else value
+        return state
+
+    def _describe_master(self, entry: ShardedMaster, value: Tensor) -> Tensor:
+        """A ZeRO shard (rows over dp x sp) of a tensor-parallel shard as one DTensor of the whole parameter."""
+        parameter = self.root.get_parameter(entry.name)
+        placement = self.plan.placements.get(id(parameter))
+        if placement is None or self.context.tp_size == 1:
+            return sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
+        if entry.spec.replicated:
+            return value
+        full_shape = self.full_shapes[id(parameter)]
+        stride = tuple(int(torch.Size(full_shape)[index + 1 :].numel()) for index in range(len(full_shape)))
+        # Mesh dims (tp, reduce): the tensor-parallel split is applied first, then the rows of that shard.
+        return DTensor.from_local(
+            value,
+            self.groups.describe_mesh,
+            [Shard(placement.dim), Shard(0)],
+            run_check=False,
+            shape=full_shape,
+            stride=stride,
+        )
+
+    def load_full_weights(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        """Copy whole weights (a full checkpoint, or a Hugging Face file) into this rank's shards."""
+        own = self.root.state_dict()
+        missing = [name for name in own if name not in state_dict]
+        if strict and missing:
+            raise RuntimeError(
+                f"Missing keys {missing[:10]} when loading full weights into the hybrid model; set"
+                " `self.strict_loading = False` in your LightningModule to load the matching weights only."
+            )
+        with torch.no_grad():
+            for name, target in own.items():
+                if name not in state_dict:
+                    continue
+                source = state_dict[name]
+                placement = self.plan.placements.get(_key_of(self.root, name))
+                if placement is not None:
+                    source = shard_of(source, placement, self.context.tp_rank, self.context.tp_size)
+                target.copy_(source)
+        if self.zero is not None:
+            self.zero.parameters_to_masters()
+
+    def full_optimizer_state_to_local(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Cut whole optimizer-state tensors (from a full checkpoint) down to this rank's tensor-parallel shard."""
+        for name, entries in state["state"].items():
+            try:
+                parameter = self.root.get_parameter(name)
+            except AttributeError:
+                continue
+            placement = self.plan.placements.get(id(parameter))
+            if placement is None:
+                continue
+            for key, value in list(entries.items()):
+                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == self.full_shapes[id(parameter)]:
+                    entries[key] = shard_of(value, placement, self.context.tp_rank, self.context.tp_size).clone()
+        return state
+
+    def rename_optimizer_state(self, state: dict[str, Any], to_canonical: bool) -> dict[str, Any]:
+        """Key optimizer state by canonical names (saving) or by this rank's names (loading); see [Note: tied
+        weights across stages]."""
+        local_to_canonical = {
+            name: self.names_of.get(id(parameter), [name])[0] for name, parameter in self.root.named_parameters()
+        }
+        mapping = local_to_canonical if to_canonical else {value: key for key, value in local_to_canonical.items()}
+        renamed = {mapping.get(name, name): entries for name, entries in state["state"].items()}
+        groups = [
+            {**group, "params": [mapping.get(name, name) for name in group["params"]]} for group in state["param_groups"]
+        ]
+        return {"state": renamed, "param_groups": groups}
+
+    def remove(self) -> None:
+        for handle in self._gradient_hooks:
+            handle.remove()
+        self._gradient_hooks = []
+        if self.zero is not None:
+            self.zero.remove()
+
+
+def stages_of_rank_holding(stage: int, pp_size: int, config: HybridConfig) -> int:
+    """The pipeline rank that runs global stage ``stage`` (inverse of ``stages_of_rank``)."""
+    for rank in range(pp_size):
+        if stage in stages_of_rank(rank, pp_size, config.num_model_chunks, config.pp_schedule):
+            return rank
+    raise AssertionError(f"stage {stage} is on no rank")
+
+
+def _names_by_parameter(root: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, parameter in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return names
+
+
+def _shape_of(root: nn.Module, name: str) -> torch.Size:
+    return root.get_parameter(name).shape
+
+
+def _key_of(root: nn.Module, name: str) -> int:
+    """``id`` of the parameter (or buffer) called ``name`` in ``root``."""
+    module_name, _, attribute = name.rpartition(".")
+    module = root.get_submodule(module_name) if module_name else root
+    return id(getattr(module, attribute))

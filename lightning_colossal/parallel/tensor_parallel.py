@@ -1,0 +1,230 @@
+"""Tensor-parallel layers on plain local tensors, and the side table that says how each parameter is split.
+
+[Note: plain local shards instead of DTensor parameters]
+DESIGN.md planned DTensor parallel styles. Parameters here are plain tensors holding this rank's shard, and the
+layers call the differentiable collectives of ``distributed.differentiable`` themselves (Megatron's layout). Three
+reasons: the ZeRO engine, the data-parallel reducer and ``torch.distributed.pipelining`` all work on plain tensors,
+so ZeRO-1/2 and pipelines compose with tensor parallelism without a DTensor path in each; DTensor dispatch costs
+per-op time on CPU, which the tp2 step-time target against Lightning's DTensor-based ``ModelParallelStrategy``
+cannot afford; and sequence parallelism needs collectives between ops that a parallel style cannot express. DTensor
+is still used where it pays: the LM head returns its vocabulary-sharded logits as a ``DTensor`` so that torch's
+``loss_parallel`` computes the cross-entropy without gathering them, and checkpoints describe every shard as a
+``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself keeps
+them (the engine then only reduces gradients over data parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_colossal.distributed import collectives, differentiable
+
+
+@dataclass(frozen=True)
+class TensorParallelPlacement:
+    """How one parameter is split over the tensor-parallel ranks.
+
+    Args:
+        dim: the parameter dimension that is split.
+        fused_parts: the dimension holds this many equal blocks (e.g. GPT-2's q, k and v), each split on its own;
+            the shard is then not one contiguous piece of the whole tensor.
+    """
+
+    dim: int
+    fused_parts: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """The groups a parallelised model talks to, and which sequence parallelism it runs.
+
+    Args:
+        tp_group: tensor-parallel group (``None`` when tp_size is 1).
+        tp_mesh: 1-D mesh of the tensor-parallel ranks (for DTensor logits and checkpoint descriptions).
+        sp_group: Ulysses sequence-parallel group (``None`` when sp_size is 1).
+        split_gather: activations between layers are sequence shards over the tensor-parallel ranks.
+    """
+
+    tp_group: ProcessGroup | None
+    tp_mesh: DeviceMesh | None
+    sp_group: ProcessGroup | None
+    split_gather: bool = False
+
+    @property
+    def tp_size(self) -> int:
+        return collectives.world_size(self.tp_group) if self.tp_group is not None else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return collectives.rank(self.tp_group) if self.tp_group is not None else 0
+
+    @property
+    def sp_size(self) -> int:
+        return collectives.world_size(self.sp_group) if self.sp_group is not None else 1
+
+    @property
+    def sp_rank(self) -> int:
+        return collectives.rank(self.sp_group) if self.sp_group is not None else 0
+
+
+def shard_of(full: Tensor, placement: TensorParallelPlacement, rank: int, size: int) -> Tensor:
+    """This rank's piece of a whole tensor (a view where the piece is contiguous along ``dim``)."""
+    if size == 1:
+        return full
+    length = full.shape[placement.dim]
+    if length % (size * placement.fused_parts) != 0:
+        raise ValueError(
+            f"dimension {placement.dim} of size {length} does not split into {size} tensor-parallel shards"
+            f"{f' of {placement.fused_parts} fused blocks' if placement.fused_parts > 1 else ''}."
+        )
+    blocks = full.chunk(placement.fused_parts, dim=placement.dim)
+    pieces = [block.chunk(size, dim=placement.dim)[rank] for block in blocks]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=placement.dim)
+
+
+def full_from_shards(local: Tensor, placement: TensorParallelPlacement, group: ProcessGroup | None) -> Tensor:
+    """The whole tensor, gathered from every tensor-parallel rank's piece (a collective over ``group``)."""
+    size = collectives.world_size(group) if group is not None else 1
+    if size == 1:
+        return local
+    gathered = collectives.gather_along(local.detach().contiguous(), placement.dim, group)
+    if placement.fused_parts == 1:
+        return gathered
+    # Rank-major [rank][block] back to block-major [block][rank].
+    per_rank = gathered.chunk(size, dim=placement.dim)
+    blocks = [piece.chunk(placement.fused_parts, dim=placement.dim) for piece in per_rank]
+    return torch.cat([blocks[rank][part] for part in range(placement.fused_parts) for rank in range(size)], placement.dim)
+
+
+def describe_shard(local: Tensor, placement: TensorParallelPlacement, mesh: DeviceMesh, full_shape: torch.Size) -> Tensor:
+    """This rank's contiguous piece as a ``DTensor`` of the whole tensor (what DCP saves and reshards)."""
+    assert placement.fused_parts == 1, "fused parameters are saved whole (see HybridEngine.model_state)"
+    stride = tuple(int(torch.Size(full_shape)[index + 1 :].numel()) for index in range(len(full_shape)))
+    return DTensor.from_local(local, mesh, [Shard(placement.dim)], run_check=False, shape=full_shape, stride=stride)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s output features split over the tensor-parallel ranks.
+
+    The input is replicated (or, under split-gather sequence parallelism, a sequence shard gathered here); the
+    output holds this rank's features. ``transposed`` weights are stored ``[in, out]`` (GPT-2's ``Conv1D``).
+    """
+
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False
+    ) -> None:
+        super().__init__()
+        self.weight = _as_parameter(weight)
+        self.bias = None if bias is None else _as_parameter(bias)
+        self.context = context
+        self.transposed = transposed
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.context.split_gather:
+            hidden = differentiable.gather_along(hidden, 1, self.context.tp_group)
+        else:
+            hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
+        if self.transposed:
+            output = hidden @ self.weight
+            return output if self.bias is None else output + self.bias
+        return F.linear(hidden, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A``'s input features split; partial products are summed over the ranks.
+
+    Under split-gather sequence parallelism the sum is a reduce-scatter that leaves each rank a sequence shard.
+    The bias is whole on every rank and added once, after the sum.
+    """
+
+    def __init__(
+        self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False
+    ) -> None:
+        super().__init__()
+        self.weight = _as_parameter(weight)
+        self.bias = None if bias is None else _as_parameter(bias)
+        self.context = context
+        self.transposed = transposed
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        partial = hidden @ self.weight if self.transposed else F.linear(hidden, self.weight)
+        if self.context.split_gather:
+            output = differentiable.reduce_scatter_along(partial, 1, self.context.tp_group)
+        else:
+            output = differentiable.reduce_from_group(partial, self.context.tp_group)
+        return output if self.bias is None else output + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose rows (token ids) are split over the tensor-parallel ranks.
+
+    Each rank looks up the ids it holds, writes zeros for the others, and the ranks sum their results (a
+    reduce-scatter into sequence shards under split-gather sequence parallelism).
+    """
+
+    def __init__(self, weight: Tensor, context: ParallelContext, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.weight = _as_parameter(weight)
+        self.context = context
+        self.vocab_start = context.tp_rank * weight.shape[0]
+        self.padding_idx = padding_idx
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.context.tp_size == 1:
+            return F.embedding(input_ids, self.weight, self.padding_idx)
+        local_ids = input_ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        embedded = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        embedded = embedded.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.context.split_gather:
+            return differentiable.reduce_scatter_along(embedded, 1, self.context.tp_group)
+        return differentiable.reduce_from_group(embedded, self.context.tp_group)
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head with its vocabulary split over the tensor-parallel ranks.
+
+    The logits never exist whole: the output is a ``DTensor`` sharded on its last dimension, and a cross-entropy
+    taken inside ``torch.distributed.tensor.parallel.loss_parallel()`` (the strategy enters it around every step)
+    reduces over the vocabulary with two scalar-per-token all-reduces. ``local_output`` returns the plain local
+    logits instead (pipeline stages, which hand tensors to the loss themselves).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, context: ParallelContext) -> None:
+        super().__init__()
+        self.weight = _as_parameter(weight)
+        self.bias = None if bias is None else _as_parameter(bias)
+        self.context = context
+        self.local_output = False
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.context.split_gather:
+            hidden = differentiable.gather_along(hidden, 1, self.context.tp_group)
+        else:
+            hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
+        logits = F.linear(hidden, self.weight, self.bias)
+        if self.local_output or self.context.tp_size == 1:
+            return logits
+        return vocab_sharded(logits, self.context)
+
+
+def _as_parameter(tensor: Tensor) -> nn.Parameter:
+    """Keep a given Parameter (tied weights stay one object); wrap a fresh shard as a trainable one."""
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor.detach())
+
+
+def vocab_sharded(local_logits: Tensor, context: ParallelContext) -> Tensor:
+    """Wrap this rank's vocabulary slice of the logits as a ``DTensor`` of the whole logits (differentiably)."""
+    assert context.tp_mesh is not None
+    shape = (*local_logits.shape[:-1], local_logits.shape[-1] * context.tp_size)
+    stride = tuple(int(torch.Size(shape)[index + 1 :].numel()) for index in range(len(shape)))
+    return DTensor.from_local(
+        local_logits, context.tp_mesh, [Shard(local_logits.dim() - 1)], run_check=False, shape=shape, stride=stride
+    )

@@ -1,0 +1,378 @@
+"""``colossal_hybrid``: tensor, pipeline, sequence and data parallelism (ZeRO on the data axis) in one strategy.
+
+The engine (``lightning_colossal.parallel``) parallelises the model a policy knows; this adapter wires it into
+Lightning: groups from the strategy's device mesh, the sampler over the data-parallel axis only, ``loss_parallel``
+around every step under tensor parallelism, the sequence split under Ulysses, and with ``pp_size > 1`` the
+pipeline schedule in place of ``training_step`` (see ``docs/hybrid.md``, "LightningModules for pipelines").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import ExitStack, contextmanager
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    HybridConfig,
+    LossScalerConfig,
+    PipelineSchedule,
+    SequenceParallelMode,
+    StartMethod,
+)
+from lightning_colossal.distributed import ParallelDims
+from lightning_colossal.parallel import HybridEngine, ModelPolicy, build_groups, find_policy
+from lightning_colossal.parallel.pipeline import broadcast_from_last_stage, microbatch_count
+from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
+
+
+class HybridParallelStrategy(ColossalStrategy):
+    """Hybrid 3D parallelism; registered as ``colossal_hybrid`` (and ``colossal_hybrid_notebook``).
+
+    Args:
+        tp_size, pp_size, sp_size, zero_stage, sequence_parallel, pp_schedule, num_microbatches, microbatch_size,
+        num_model_chunks, layers_per_stage, activation_checkpointing, bucket_size_mb: see ``HybridConfig``.
+        policy: which parts of the model to split: ``None`` picks a built-in policy (demo GPT, Hugging Face models
+            with a ``base_model_tp_plan``, GPT-2, BERT), a ``dict`` is a user plan (module pattern -> ``"colwise"``,
+            ``"rowwise"``, ``"vocab"``), or a ``ModelPolicy`` instance.
+        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
+        cluster_environment: see ``ColossalStrategy``.
+    """
+
+    strategy_name = "colossal_hybrid"
+
+    def __init__(
+        self,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        sp_size: int = 1,
+        zero_stage: int = 0,
+        sequence_parallel: SequenceParallelMode | None = None,
+        pp_schedule: PipelineSchedule = "1f1b",
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        num_model_chunks: int = 1,
+        layers_per_stage: list[int] | None = None,
+        activation_checkpointing: bool = False,
+        bucket_size_mb: float = 25.0,
+        policy: ModelPolicy | dict[str, str] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        start_method: StartMethod = "popen",
+        loss_scaler: LossScalerConfig | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            loss_scaler=loss_scaler,
+        )
+        self.hybrid_config = HybridConfig(
+            tp_size=tp_size,
+            pp_size=pp_size,
+            sp_size=sp_size,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            pp_schedule=pp_schedule,
+            num_microbatches=num_microbatches,
+            microbatch_size=microbatch_size,
+            num_model_chunks=num_model_chunks,
+            layers_per_stage=tuple(layers_per_stage) if layers_per_stage is not None else None,
+            activation_checkpointing=activation_checkpointing,
+            bucket_size_mb=bucket_size_mb,
+        )
+        self.policy = policy
+        self.engine: HybridEngine | None = None
+        self._stashed_gradients: list[tuple[torch.nn.Parameter, Tensor]] = []
+
+    def _build_parallel_dims(self) -> ParallelDims:
+        config = self.hybrid_config
+        return ParallelDims(world_size=self.world_size, tp=config.tp_size, pp=config.pp_size, sp=config.sp_size)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.hybrid_config.pp_size > 1
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer) -> None:
+        fitting = self._prepare_module(trainer)
+        assert self.model is not None and self.lightning_module is not None
+        if self.engine is None:
+            config = self.hybrid_config
+            model_parallel = config.model_parallel_size > 1
+            model, policy = find_policy(self.lightning_module, self.policy, model_parallel=model_parallel)
+            if self.pipelined and not callable(getattr(self.lightning_module, "pipeline_loss", None)):
+                raise TypeError(
+                    f"pp_size={config.pp_size}: the strategy runs the pipeline schedule in place of"
+                    " `training_step`, so the LightningModule must define `pipeline_loss(self, outputs, targets)`"
+                    " returning the mean loss of one micro-batch (see docs/hybrid.md)."
+                )
+            self.engine = HybridEngine(
+                self.lightning_module,
+                model,
+                policy,
+                self.hybrid_config,
+                build_groups(self.device_mesh),
+                self.root_device,
+                self._timeout,
+            )
+        if fitting:
+            optimizer = self._setup_single_optimizer(
+                trainer,
+                manual_reason="the strategy owns when gradients are reduced and, with pipelines, runs backward itself",
+                manual_alternatives="`colossal_ddp`",
+            )
+            self.engine.attach_optimizer(optimizer)
+        self.setup_precision_plugin()
+        self.precision_plugin.gradient_clipper = self.engine
+
+    # ---------------------------------------------------------------------------------------------- steps
+    @contextmanager
+    def _step_context(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            if self.hybrid_config.tp_size > 1:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                # Vocabulary-sharded logits: cross-entropy without gathering them (VocabParallelHead).
+                stack.enter_context(loss_parallel())
+            yield
+
+    def _split_sequence(self, batch: Any) -> Any:
+        """Ulysses: each sequence-parallel rank takes its slice of every ``[batch, sequence, ...]`` tensor."""
+        sp_size = self.hybrid_config.sp_size
+        if sp_size == 1:
+            return batch
+        rank = self.device_mesh["sp"].get_local_rank()
+
+        def split(tensor: Tensor) -> Tensor:
+            if tensor.dim() < 2:
+                return tensor
+            if tensor.shape[1] % sp_size != 0:
+                raise ValueError(
+                    f"Sequence parallelism splits dim 1 of every batch tensor over sp_size={sp_size} ranks, but a batch"
+                    f" tensor has shape {tuple(tensor.shape)}: use a sequence length divisible by {sp_size}."
+                )
+            return tensor.chunk(sp_size, dim=1)[rank]
+
+        return apply_to_collection(batch, Tensor, split)
+
+    def _with_split_batch(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (self._split_sequence(args[0]), *args[1:]) if args else args
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._with_split_batch(args)
+        if self.pipelined:
+            return self._pipeline_training_step(args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        with self._step_context():
+            output = super().training_step(*args, **kwargs)
+        return _local_loss(output)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._with_split_batch(args)
+        if self.pipelined:
+            return self._pipeline_evaluation_step(args[0])
+        with self._step_context():
+            return _local_loss(super().validation_step(*args, **kwargs))
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._with_split_batch(args)
+        if self.pipelined:
+            return self._pipeline_evaluation_step(args[0])
+        with self._step_context():
+            return _local_loss(super().test_step(*args, **kwargs))
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipelined:
+            raise NotImplementedError(
+                "predict with pp_size > 1 is not supported yet: predict with pp_size=1 (tensor parallelism and data"
+                " parallelism work), or consolidate the checkpoint and predict with `colossal_ddp`."
+            )
+        args = self._with_split_batch(args)
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
+
+    def _pipeline_inputs(self, batch: Any) -> tuple[Tensor, Any]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1]
+        if isinstance(batch, Mapping) and "input_ids" in batch and "labels" in batch:
+            return batch["input_ids"], batch["labels"]
+        raise TypeError(
+            "With pp_size > 1 a batch must be an (inputs, targets) pair or a dict with 'input_ids' and 'labels': the"
+            " first stage reads the inputs and the last stage passes the targets to `pipeline_loss`."
+        )
+
+    def _pipeline_training_step(self, batch: Any, batch_index: int) -> Tensor:
+        assert self.engine is not None and self.lightning_module is not None
+        inputs, targets = self._pipeline_inputs(batch)
+        config = self.hybrid_config
+        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        trainer = self.lightning_module.trainer
+        if batch_index % trainer.accumulate_grad_batches == 0:
+            # First batch of an accumulation window: Lightning zeroes gradients only after `training_step`, too late
+            # for a schedule that already ran backward, so the previous step's gradients are dropped here.
+            for parameter in self.lightning_module.parameters():
+                parameter.grad = None
+        # Lightning divides the loss by accumulate_grad_batches before its backward; the schedule's backward runs
+        # here, so the division (and fp16 loss scaling) goes into each micro-batch loss instead.
+        multiplier = 1.0 / trainer.accumulate_grad_batches
+        scaler = self.precision_plugin.loss_scaler
+        if scaler is not None:
+            multiplier *= scaler.scale
+        with self.precision_plugin.train_step_context():
+            loss = self.engine.pipeline_step(
+                inputs, targets, num_microbatches, self.lightning_module.pipeline_loss, multiplier
+            )
+        runner = self.engine.runner
+        assert runner is not None and self.engine.groups.pp_group is not None
+        mean = broadcast_from_last_stage(
+            None if loss is None else loss * trainer.accumulate_grad_batches,
+            runner.holds_last,
+            self.engine.groups.pp_group,
+            self.root_device,
+        )
+        # Lightning zeroes gradients between `training_step` and `backward`; the schedule's backward already ran, so its
+        # gradients are set aside here and put back when Lightning calls `backward` (see there).
+        self._stashed_gradients = [
+            (parameter, parameter.grad) for parameter in self.lightning_module.parameters() if parameter.grad is not None
+        ]
+        for parameter, _ in self._stashed_gradients:
+            parameter.grad = None
+        return mean
+
+    def _pipeline_evaluation_step(self, batch: Any) -> Tensor:
+        assert self.engine is not None and self.lightning_module is not None
+        runner = self.engine.runner
+        assert runner is not None and self.engine.groups.pp_group is not None
+        inputs, targets = self._pipeline_inputs(batch)
+        config = self.hybrid_config
+        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        with self.precision_plugin.val_step_context():
+            result = runner.evaluate(inputs, num_microbatches)
+            loss = None
+            if runner.holds_last:
+                self.engine._loss_function = self.lightning_module.pipeline_loss
+                self.engine._loss_multiplier = 1.0
+                target_pieces = targets.chunk(num_microbatches) if isinstance(targets, Tensor) else [targets]
+                with torch.no_grad():
+                    losses = [
+                        self.engine._stage_loss(output, target)
+                        for output, target in zip(result.outputs, target_pieces, strict=True)
+                    ]
+                loss = torch.stack(losses).mean()
+        return broadcast_from_last_stage(loss, runner.holds_last, self.engine.groups.pp_group, self.root_device)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipelined:
+            for parameter, gradient in self._stashed_gradients:
+                parameter.grad = gradient
+            self._stashed_gradients = []
+        else:
+            # loss_parallel's cross-entropy has a DTensor backward that must run inside the same context.
+            with self._step_context():
+                closure_loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self.engine is not None:
+            self.engine.after_backward()
+        return closure_loss
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self.engine is None:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.engine.after_step(stepped=not self.precision_plugin.last_step_skipped)
+        return output
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def model_state_for_checkpoint(self) -> dict[str, Any]:
+        assert self.engine is not None
+        state = self.engine.model_state()
+        zero = self.engine.zero
+        if zero is not None and not zero.masters_alias_parameters:
+            # fp32 masters rather than their low-precision working copies.
+            state.update(zero.masters_by_name())
+        return state
+
+    def _on_model_state_loaded(self) -> None:
+        zero = self.engine.zero if self.engine is not None else None
+        if zero is None:
+            return
+        if zero.masters_alias_parameters:
+            zero.parameters_to_masters()
+        else:
+            zero.masters_to_parameters()
+
+    def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        assert self.engine is not None
+        self.engine.load_full_weights(state_dict, strict)
+
+    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.engine is not None and self.lightning_module is not None
+        engine = self.engine
+        if engine.zero is not None:
+            state = engine.zero.optimizer_state_by_name()
+        else:
+            state = get_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer))
+            for name, entries in state["state"].items():
+                key = id(self.lightning_module.get_parameter(name))
+                for state_key, value in list(entries.items()):
+                    if isinstance(value, Tensor) and value.dim() > 0:
+                        entries[state_key] = engine._whole(value, key)
+        return engine.rename_optimizer_state(state, to_canonical=True)
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        assert self.engine is not None and self.lightning_module is not None
+        engine = self.engine
+        state = engine.full_optimizer_state_to_local(engine.rename_optimizer_state(state, to_canonical=False))
+        if engine.zero is not None:
+            engine.zero.load_optimizer_state_by_name(state)
+            return
+        local = {
+            name: {key: value.to_local() if isinstance(value, DTensor) else value for key, value in entries.items()}
+            for name, entries in state["state"].items()
+        }
+        set_optimizer_state_dict(
+            self.lightning_module, _unwrap_optimizer(optimizer), {"state": local, "param_groups": state["param_groups"]}
+        )
+
+    @classmethod
+    def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
+        return [(cls.strategy_name, {})]
+
+
+def _local_loss(output: Any) -> Any:
+    """A loss computed under ``loss_parallel`` is a replicated DTensor; Lightning and loggers get a plain tensor."""
+    if isinstance(output, DTensor):
+        return output.to_local()
+    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].to_local()}
+    return output
+
+

@@ -1,0 +1,144 @@
+"""Bodies (run on every rank of a pool) and the single-process oracle for the hybrid 3D strategy tests.
+
+The workload is a tiny demo GPT on random tokens. The oracle trains the same GPT in one process on the global
+batch of every step: the samples of every data-parallel rank (the DistributedSampler's order) concatenated, which
+under tensor, pipeline and sequence parallelism is exactly what one step of the hybrid run computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, seed_everything
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from tests.distributed.oracle import _rank_micro_batches, quiet_trainer
+
+MODEL_SEED = 7
+VOCAB = 64
+SEQUENCE = 16
+NUM_SAMPLES = 32
+LEARNING_RATE = 1e-2
+
+
+def gpt_config(**overrides: Any) -> Any:
+    from lightning_colossal.demo.model import GPTConfig
+
+    settings: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "block_size": SEQUENCE,
+        "num_layers": 4,
+        "num_heads": 4,
+        "embed_dim": 32,
+        "tie_weights": True,
+    }
+    settings.update(overrides)
+    return GPTConfig(**settings)
+
+
+def token_dataset() -> TensorDataset:
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (NUM_SAMPLES, SEQUENCE + 1), generator=generator)
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class TinyGPTModule(LightningModule):
+    """A LightningModule written once for every mode: pp > 1 uses ``pipeline_loss``, the others ``training_step``."""
+
+    def __init__(self, batch_size: int = 4, **config: Any) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.config_overrides = config
+        self.model: torch.nn.Module | None = None
+        self.step_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from lightning_colossal.demo.model import GPT
+
+        torch.manual_seed(MODEL_SEED)
+        self.model = GPT(gpt_config(**self.config_overrides))
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        inputs, targets = batch
+        assert self.model is not None
+        return language_model_loss(self.model(inputs), targets)
+
+    def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return language_model_loss(outputs, targets)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_index: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.step_losses.append(float(loss))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(), batch_size=self.batch_size)
+
+
+def full_weights(module: LightningModule, strategy: Any) -> dict[str, torch.Tensor]:
+    """The whole weights this rank holds, by name (DTensor pieces gathered over the tensor-parallel ranks)."""
+    state = strategy.model_state_for_checkpoint()
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().float().cpu().clone()
+        for name, value in state.items()
+    }
+
+
+def hybrid_train_body(strategy_kwargs: dict[str, Any], steps: int, trainer_kwargs: dict[str, Any] | None = None,
+                      module_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = TinyGPTModule(**(module_kwargs or {}))
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps,
+                            **(trainer_kwargs or {}))
+    trainer.fit(module)
+    return {"weights": full_weights(module, strategy), "losses": module.step_losses}
+
+
+def oracle(dp_size: int, steps: int, batch_size: int = 4, accumulate: int = 1, clip_norm: float | None = None,
+           **config: Any) -> dict[str, Any]:
+    """Single-process training of the same GPT on each step's global batch."""
+    from lightning_colossal.demo.model import GPT
+
+    seed_everything(MODEL_SEED, verbose=False)
+    torch.manual_seed(MODEL_SEED)
+    model = GPT(gpt_config(**config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
+    dataset = token_dataset()
+    inputs, targets = dataset.tensors
+    batches = _rank_micro_batches(dataset, dp_size, batch_size)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        step_losses = []
+        for _ in range(accumulate):
+            chosen = [index for rank_indices in next(batches) for index in rank_indices]
+            step_losses.append(language_model_loss(model(inputs[chosen]), targets[chosen]))
+        loss = torch.stack(step_losses).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+    weights = {f"model.{name}": value.detach().clone() for name, value in model.state_dict().items()}
+    return {"weights": weights, "losses": losses}
+
+
+def merged_weights(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        merged.update(result["weights"])
+    return merged

@@ -1,0 +1,57 @@
+"""colossal_hybrid against the single-process oracle: losses and weights after several steps, every layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import hybrid_bodies as bodies
+
+STEPS = 3
+
+
+def _assert_matches(results: list[dict[str, Any]], reference: dict[str, Any], atol: float = 1e-4) -> None:
+    got = bodies.merged_weights(results)
+    assert set(got) == set(reference["weights"]), sorted(set(got) ^ set(reference["weights"]))
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(got[name], expected, atol=atol, rtol=1e-4, msg=lambda message: f"{name}: {message}")
+    for result in results:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5
+        )
+
+
+CASES_2 = {
+    "tp2": ({"tp_size": 2}, 1),
+    "pp2_1f1b": ({"pp_size": 2, "num_microbatches": 2}, 1),
+    "pp2_interleaved": ({"pp_size": 2, "num_microbatches": 2, "pp_schedule": "interleaved", "num_model_chunks": 2}, 1),
+    "pp2_zbv": ({"pp_size": 2, "num_microbatches": 2, "pp_schedule": "zbv", "num_model_chunks": 2}, 1),
+    "tp2_split_gather": ({"tp_size": 2, "sequence_parallel": "split_gather"}, 1),
+    "sp2_ulysses": ({"sp_size": 2}, 1),
+    "dp2_zero1": ({"zero_stage": 1}, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_2))
+def test_two_ranks_match_oracle(rank_pool_2, case):
+    strategy_kwargs, dp_size = CASES_2[case]
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, timeout=300)
+    _assert_matches(results, bodies.oracle(dp_size, STEPS))
+
+
+CASES_4 = {
+    "tp2_dp2": ({"tp_size": 2}, 2),
+    "tp2_dp2_zero2": ({"tp_size": 2, "zero_stage": 2}, 2),
+    "pp2_dp2_zero1": ({"pp_size": 2, "num_microbatches": 2, "zero_stage": 1}, 2),
+    "tp2_pp2": ({"tp_size": 2, "pp_size": 2, "num_microbatches": 2}, 1),
+    "sp2_dp2_zero1": ({"sp_size": 2, "zero_stage": 1}, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_4))
+def test_four_ranks_match_oracle(rank_pool_4, case):
+    strategy_kwargs, dp_size = CASES_4[case]
+    results = rank_pool_4.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, timeout=300)
+    _assert_matches(results, bodies.oracle(dp_size, STEPS))
