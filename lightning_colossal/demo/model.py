@@ -107,8 +107,10 @@ class CausalSelfAttention(nn.Module):
         self.residual_dropout = nn.Dropout(config.dropout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        batch_size, sequence_length, _ = hidden.shape
         qkv = self.qkv(hidden)
+        # Shapes from qkv, not hidden: under split-gather sequence parallelism the input is a sequence shard and
+        # the column-parallel qkv gathers the whole sequence.
+        batch_size, sequence_length, _ = qkv.shape
         # -1 heads: under column-wise tensor parallelism this rank holds only its share of the heads.
         qkv = qkv.view(batch_size, sequence_length, -1, 3, self.head_dim)
         query, key, value = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads, time, head_dim]

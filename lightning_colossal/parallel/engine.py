@@ -246,17 +246,23 @@ class HybridEngine:
 
     # ---------------------------------------------------------------------------------------------- pipeline
     def _stage_loss(self, output: Tensor, target: Any) -> Tensor:
+        """The user's loss on the last stage's output (runs inside ``_loss_context``)."""
         assert self._loss_function is not None
         if self.context.tp_size > 1 and output.dim() >= 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            with loss_parallel():
-                loss = self._loss_function(vocab_sharded(output, self.context), target)
-                if isinstance(loss, DTensor):
-                    loss = loss.to_local()
+            loss = self._loss_function(vocab_sharded(output, self.context), target)
+            if isinstance(loss, DTensor):
+                loss = loss.to_local()
         else:
             loss = self._loss_function(output, target)
         return loss * self._loss_multiplier
+
+    def loss_context(self) -> Any:
+        """``loss_parallel`` under tensor parallelism (vocabulary-sharded logits), for forward and backward alike."""
+        if self.context.tp_size == 1:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def pipeline_step(
         self,
@@ -274,7 +280,7 @@ class HybridEngine:
         self._loss_function = loss_function
         self._loss_multiplier = loss_multiplier
         context = self.zero.no_sync() if self.zero is not None else nullcontext()
-        with context:
+        with context, self.loss_context():
             result = self.runner.train_step(inputs, targets, num_microbatches)
         return None if result.loss is None else result.loss / loss_multiplier
 

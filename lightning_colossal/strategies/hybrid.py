@@ -269,7 +269,7 @@ class HybridParallelStrategy(ColossalStrategy):
                 self.engine._loss_function = self.lightning_module.pipeline_loss
                 self.engine._loss_multiplier = 1.0
                 target_pieces = targets.chunk(num_microbatches) if isinstance(targets, Tensor) else [targets]
-                with torch.no_grad():
+                with torch.no_grad(), self.engine.loss_context():
                     losses = [
                         self.engine._stage_loss(output, target)
                         for output, target in zip(result.outputs, target_pieces, strict=True)

@@ -17,10 +17,10 @@ def _assert_matches(results: list[dict[str, Any]], reference: dict[str, Any], at
     assert set(got) == set(reference["weights"]), sorted(set(got) ^ set(reference["weights"]))
     for name, expected in reference["weights"].items():
         torch.testing.assert_close(got[name], expected, atol=atol, rtol=1e-4, msg=lambda message: f"{name}: {message}")
-    for result in results:
-        torch.testing.assert_close(
-            torch.tensor(result["losses"]), torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5
-        )
+    # Each rank logs the mean loss over its own samples/tokens; tensor and pipeline peers agree, data and sequence
+    # peers differ, and with equal shares their mean is the global loss.
+    rank_mean = torch.tensor([result["losses"] for result in results]).mean(dim=0)
+    torch.testing.assert_close(rank_mean, torch.tensor(reference["losses"]), atol=1e-5, rtol=1e-5)
 
 
 CASES_2 = {
