@@ -80,6 +80,8 @@ class HybridEngine:
             split_gather=config.sequence_parallel == "split_gather",
         )
         self._replicate_from_rank_zero()
+        #: Every weight name of the whole model (pipeline ranks hold only some of them).
+        self.whole_model_keys: list[str] = list(root.state_dict().keys())
         self.names_of: dict[int, list[str]] = _names_by_parameter(root)
         self.full_shapes: dict[int, torch.Size] = {key: _shape_of(root, names[0]) for key, names in self.names_of.items()}
         self.plan: ParallelPlan = policy.parallelize(model, self.context)

@@ -338,6 +338,11 @@ class ColossalStrategy(ParallelStrategy):
         """
         raise NotImplementedError(f"{type(self).__name__} must say how its weights map to names.")
 
+    def whole_model_keys(self, model_state: dict[str, Any]) -> set[str]:
+        """Names of the whole model a checkpoint must hold; more than this rank's when ranks hold different parts
+        (pipeline stages)."""
+        return set(model_state)
+
     def _on_model_state_loaded(self) -> None:
         """Called after a sharded checkpoint filled ``model_state_for_checkpoint()`` in place (engines re-sync here)."""
 
@@ -411,7 +416,7 @@ class ColossalStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         available = saved_keys(path)
         model_state = self.model_state_for_checkpoint()
-        _check_model_keys(path, {f"{MODEL_KEY}.{name}" for name in model_state}, available, strict)
+        _check_model_keys(path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict)
         metadata = load_metadata(path, weights_only)
         tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
         optimizers = self.optimizers if fitting else []

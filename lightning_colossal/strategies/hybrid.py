@@ -320,6 +320,10 @@ class HybridParallelStrategy(ColossalStrategy):
             state.update(zero.masters_by_name())
         return state
 
+    def whole_model_keys(self, model_state: dict[str, Any]) -> set[str]:
+        assert self.engine is not None
+        return set(self.engine.whole_model_keys)
+
     def _on_model_state_loaded(self) -> None:
         zero = self.engine.zero if self.engine is not None else None
         if zero is None:

@@ -142,3 +142,19 @@ def merged_weights(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     for result in results:
         merged.update(result["weights"])
     return merged
+
+
+def checkpoint_body(
+    strategy_kwargs: dict[str, Any], epochs: int, batch_size: int, save_to: str | None, resume_from: str | None
+) -> dict[str, Any]:
+    """Train to the end of epoch ``epochs`` (resuming from ``resume_from``), then save to ``save_to``."""
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = TinyGPTModule(batch_size=batch_size)
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_epochs=epochs)
+    trainer.fit(module, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return {"weights": full_weights(module, strategy), "losses": module.step_losses}

@@ -1,0 +1,46 @@
+"""Hybrid checkpoints move between layouts: saved at tp2 x dp2 (ZeRO-1), resumed at pp2 x dp2 and at one rank.
+
+One epoch is 4 optimizer steps (32 samples, 8 per step). Each resumed run must continue exactly as the
+single-process oracle trained for two epochs: the same weights and the same losses in the second epoch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import hybrid_bodies as bodies
+
+STEPS_PER_EPOCH = 4
+
+
+def _check_continuation(results, reference) -> None:
+    got = bodies.merged_weights(results)
+    assert set(got) == set(reference["weights"])
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(got[name], expected, atol=1e-4, rtol=1e-4, msg=lambda message: f"{name}: {message}")
+    rank_mean = torch.tensor([result["losses"] for result in results]).mean(dim=0)
+    torch.testing.assert_close(rank_mean, torch.tensor(reference["losses"][STEPS_PER_EPOCH:]), atol=1e-5, rtol=1e-5)
+
+
+def test_tp2_dp2_checkpoint_resumes_at_pp2_dp2_and_one_rank(rank_pool_4, rank_pool_1, tmp_path):
+    saved = str(tmp_path / "tp2_dp2.ckpt")
+    first = rank_pool_4.run(
+        bodies.checkpoint_body, {"tp_size": 2, "zero_stage": 1}, 1, 4, saved, None, timeout=300
+    )
+    reference = bodies.oracle(2, 2 * STEPS_PER_EPOCH)
+    assert len(first[0]["losses"]) == STEPS_PER_EPOCH
+
+    pipelined = rank_pool_4.run(
+        bodies.checkpoint_body,
+        {"pp_size": 2, "num_microbatches": 2, "zero_stage": 1},
+        2,
+        4,
+        None,
+        saved,
+        timeout=300,
+    )
+    _check_continuation(pipelined, reference)
+
+    # One rank reading 8 samples per step sees each step's global batch (the union of both data-parallel ranks').
+    single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, timeout=300)
+    _check_continuation(single, reference)

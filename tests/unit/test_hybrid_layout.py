@@ -1,0 +1,228 @@
+"""Hybrid-parallel layout logic: layer split, stage placement, micro-batches, shards and config validation.
+
+Pure logic, no process group: every rank's view is computed in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_colossal  # noqa: F401  (registers the strategy names)
+from lightning_colossal.config import HybridConfig
+from lightning_colossal.distributed.mesh import ParallelDims
+from lightning_colossal.parallel.pipeline import microbatch_count, split_layers, stages_of_rank
+from lightning_colossal.parallel.tensor_parallel import TensorParallelPlacement, shard_of
+from lightning_colossal.strategies.hybrid import HybridParallelStrategy
+
+
+def counts_of(ranges: list[range]) -> list[int]:
+    return [len(layer_range) for layer_range in ranges]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# split_layers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_split_layers_even_split_is_contiguous_and_complete():
+    ranges = split_layers(8, 4)
+    assert ranges == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [layer for layer_range in ranges for layer in layer_range] == list(range(8))
+
+
+def test_split_layers_gives_the_remainder_to_the_middle_stages():
+    assert counts_of(split_layers(10, 4)) == [2, 3, 3, 2]
+    assert split_layers(10, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert counts_of(split_layers(5, 4)) == [1, 2, 1, 1]  # middle = (4 - 1) // 2 = 1
+    assert counts_of(split_layers(7, 5)) == [1, 2, 2, 1, 1]  # middle = (5 - 2) // 2 = 1
+    assert counts_of(split_layers(11, 4)) == [3, 3, 3, 2]  # extra = 3 covers stages 0..2
+
+
+@pytest.mark.parametrize("num_stages", [3, 4, 5, 6, 8])
+def test_split_layers_never_favours_the_first_or_last_stage(num_stages):
+    for num_layers in range(num_stages, 4 * num_stages + 1):
+        counts = counts_of(split_layers(num_layers, num_stages))
+        assert sum(counts) == num_layers
+        assert max(counts) - min(counts) <= 1
+        middle_minimum = min(counts[1:-1])
+        assert counts[0] <= middle_minimum, (num_layers, counts)
+        assert counts[-1] <= middle_minimum, (num_layers, counts)
+
+
+def test_split_layers_honours_explicit_layers_per_stage():
+    assert split_layers(8, 3, layers_per_stage=[1, 5, 2]) == [range(0, 1), range(1, 6), range(6, 8)]
+
+
+def test_split_layers_rejects_fewer_layers_than_stages():
+    with pytest.raises(ValueError, match="lower pp_size or num_model_chunks"):
+        split_layers(3, 4)
+
+
+def test_split_layers_rejects_a_wrong_layers_per_stage():
+    with pytest.raises(ValueError, match="must have 3 entries summing"):
+        split_layers(8, 3, layers_per_stage=[2, 2, 2])
+    with pytest.raises(ValueError, match="must have 3 entries summing"):
+        split_layers(8, 3, layers_per_stage=[4, 4])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stages_of_rank
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_stages_of_rank_for_each_schedule():
+    assert [stages_of_rank(rank, 4, 1, "1f1b") for rank in range(4)] == [[0], [1], [2], [3]]
+    assert stages_of_rank(0, 2, 2, "interleaved") == [0, 2]
+    assert stages_of_rank(1, 2, 2, "interleaved") == [1, 3]
+    assert stages_of_rank(0, 2, 2, "zbv") == [0, 3]
+    assert stages_of_rank(1, 2, 2, "zbv") == [1, 2]
+    assert stages_of_rank(1, 4, 3, "interleaved") == [1, 5, 9]
+
+
+@pytest.mark.parametrize(
+    "schedule, num_model_chunks", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2)]
+)
+@pytest.mark.parametrize("pp_size", [2, 3, 4, 8])
+def test_schedule_table_places_every_stage_on_exactly_one_rank(schedule, num_model_chunks, pp_size):
+    table = [stages_of_rank(rank, pp_size, num_model_chunks, schedule) for rank in range(pp_size)]
+    assert all(len(stages) == num_model_chunks for stages in table)
+    placed = sorted(stage for stages in table for stage in stages)
+    assert placed == list(range(pp_size * num_model_chunks))
+
+
+def test_zbv_puts_the_last_stage_next_to_the_first():
+    for pp_size in (2, 4, 8):
+        assert stages_of_rank(0, pp_size, 2, "zbv") == [0, 2 * pp_size - 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# microbatch_count
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_microbatch_count_from_either_setting():
+    assert microbatch_count(16, num_microbatches=4, microbatch_size=None) == 4
+    assert microbatch_count(16, num_microbatches=None, microbatch_size=2) == 8
+    assert microbatch_count(6, num_microbatches=None, microbatch_size=6) == 1
+
+
+def test_microbatch_count_rejects_an_uneven_batch():
+    with pytest.raises(ValueError, match="drop_last"):
+        microbatch_count(10, num_microbatches=4, microbatch_size=None)
+    with pytest.raises(ValueError, match="divisible"):
+        microbatch_count(10, num_microbatches=None, microbatch_size=4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# shard_of
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_shards_of_all_ranks_concatenate_back_to_the_tensor(dim):
+    full = torch.arange(8 * 12, dtype=torch.float32).reshape(8, 12)
+    pieces = [shard_of(full, TensorParallelPlacement(dim), rank, 4) for rank in range(4)]
+    assert all(piece.shape[dim] == full.shape[dim] // 4 for piece in pieces)
+    assert torch.equal(torch.cat(pieces, dim=dim), full)
+
+
+def test_fused_shard_takes_its_slice_of_each_block():
+    full = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)  # q, k, v blocks of 4 rows each
+    blocks = full.chunk(3, dim=0)
+    for rank in range(2):
+        piece = shard_of(full, TensorParallelPlacement(0, fused_parts=3), rank, 2)
+        expected = torch.cat([block[2 * rank : 2 * rank + 2] for block in blocks], dim=0)
+        assert torch.equal(piece, expected)
+    assert shard_of(full, TensorParallelPlacement(0, fused_parts=3), 1, 2)[:, 0].tolist() == [6, 9, 18, 21, 30, 33]
+
+
+def test_shard_of_rejects_an_indivisible_dimension_and_passes_size_one_through():
+    full = torch.zeros(6, 4)
+    with pytest.raises(ValueError, match="does not split into 4"):
+        shard_of(full, TensorParallelPlacement(0), 0, 4)
+    with pytest.raises(ValueError, match="fused blocks"):
+        shard_of(full, TensorParallelPlacement(0, fused_parts=3), 0, 4)
+    assert shard_of(full, TensorParallelPlacement(0), 0, 1) is full
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HybridConfig, ParallelDims, HybridParallelStrategy
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"zero_stage": 2, "pp_size": 2, "num_microbatches": 4}, "zero_stage=1 with pipelines"),
+        ({"zero_stage": 3}, "colossal_gemini"),
+        ({"pp_size": 2}, "exactly one of num_microbatches"),
+        ({"pp_size": 2, "num_microbatches": 4, "microbatch_size": 2}, "exactly one of num_microbatches"),
+        ({"pp_size": 2, "num_microbatches": 4, "pp_schedule": "interleaved"}, "num_model_chunks >= 2"),
+        ({"pp_size": 2, "num_microbatches": 4, "pp_schedule": "zbv", "num_model_chunks": 3}, "exactly two chunks"),
+        ({"pp_size": 2, "num_microbatches": 4, "num_model_chunks": 2}, "runs one model chunk per rank"),
+        ({"sequence_parallel": "split_gather"}, "but tp_size=1"),
+        ({"sequence_parallel": "split_gather", "tp_size": 2, "sp_size": 2}, "Ulysses axis"),
+        ({"sequence_parallel": "all_to_all"}, "needs sp_size > 1"),
+        ({"pp_size": 2, "num_microbatches": 4, "layers_per_stage": (4, 4, 4)}, "pp_size \\* num_model_chunks = 2"),
+        ({"pp_size": 2, "num_microbatches": 4, "layers_per_stage": (8, 0)}, "positive entries"),
+        ({"num_model_chunks": 2}, "but pp_size=1"),
+        ({"layers_per_stage": (4,)}, "but pp_size=1"),
+        ({"tp_size": 0}, "tp_size=0"),
+        ({"sp_size": True}, "sp_size=True"),
+        ({"pp_size": 2, "microbatch_size": 0}, "microbatch_size=0"),
+        ({"bucket_size_mb": 0}, "bucket_size_mb"),
+        ({"bucket_size_mb": float("inf")}, "finite positive"),
+        ({"pp_schedule": "gpipe"}, "pp_schedule='gpipe'"),
+    ],
+)
+def test_hybrid_config_rejects_invalid_settings(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        HybridConfig(**arguments)
+
+
+def test_hybrid_config_defaults_sequence_parallel_to_all_to_all_with_sp():
+    assert HybridConfig(sp_size=2).sequence_parallel == "all_to_all"
+    assert HybridConfig().sequence_parallel is None
+    assert HybridConfig(tp_size=2, sequence_parallel="split_gather").sequence_parallel == "split_gather"
+
+
+def test_hybrid_config_sizes_of_valid_settings():
+    config = HybridConfig(tp_size=2, pp_size=2, sp_size=2, num_microbatches=4)
+    assert (config.model_parallel_size, config.num_stages) == (8, 2)
+    interleaved = HybridConfig(pp_size=4, pp_schedule="interleaved", num_model_chunks=3, microbatch_size=2)
+    assert (interleaved.model_parallel_size, interleaved.num_stages) == (4, 12)
+    zbv = HybridConfig(
+        pp_size=2, pp_schedule="zbv", num_model_chunks=2, num_microbatches=4, layers_per_stage=[1, 2, 2, 1]
+    )
+    assert zbv.num_stages == 4
+    assert zbv.layers_per_stage == (1, 2, 2, 1)  # a list is stored as a tuple
+    assert (HybridConfig().model_parallel_size, HybridConfig().num_stages) == (1, 1)
+
+
+def test_parallel_dims_need_sizes_that_divide_the_world():
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        ParallelDims(world_size=4, tp=3)
+    dims = ParallelDims(world_size=8, tp=2, pp=2)
+    assert dims.data_parallel_size == 2
+    assert dims.axis_sizes() == {"pp": 2, "dp": 2, "sp": 1, "tp": 2}
+    with pytest.raises(ValueError, match="dp_size=4"):
+        ParallelDims(world_size=8, tp=2, pp=2, dp=4)
+
+
+def test_strategy_validates_its_arguments_at_construction():
+    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+        HybridParallelStrategy(pp_size=2)
+    with pytest.raises(ValueError, match="exactly two chunks"):
+        HybridParallelStrategy(pp_size=2, pp_schedule="zbv", num_model_chunks=3, num_microbatches=2)
+    strategy = HybridParallelStrategy(tp_size=2, pp_size=2, num_microbatches=4, layers_per_stage=[3, 5])
+    assert strategy.hybrid_config.layers_per_stage == (3, 5)
+    assert strategy.hybrid_config.model_parallel_size == 4
+    assert strategy.pipelined
+
+
+def test_strategy_names_are_registered():
+    assert StrategyRegistry["colossal_hybrid"]["strategy"] is HybridParallelStrategy
+    assert StrategyRegistry["colossal_hybrid_notebook"]["strategy"] is HybridParallelStrategy
+    assert StrategyRegistry["colossal_hybrid_notebook"]["init_params"] == {"start_method": "fork"}
