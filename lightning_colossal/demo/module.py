@@ -103,6 +103,16 @@ class GPTLightningModule(LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch; pipeline-parallel strategies call it on the last stage (``colossal_hybrid``)."""
+        return self._cross_entropy(logits, targets)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Under a pipeline the strategy runs the schedule instead of training_step; its loss (already on every
+        # rank) is logged here.
+        if getattr(self.trainer.strategy, "pipelined", False) and isinstance(outputs, dict):
+            self.log("train/loss", outputs["loss"], prog_bar=True)
+
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("val/loss", loss, sync_dist=True, prog_bar=True)
@@ -139,7 +149,10 @@ class GPTLightningModule(LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         input_ids, targets = batch
-        logits = self._require_model()(input_ids)
+        return self._cross_entropy(self._require_model()(input_ids), targets)
+
+    @staticmethod
+    def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # float(): keep the softmax in fp32 under bf16/fp16 precision.
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

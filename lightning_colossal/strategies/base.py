@@ -292,6 +292,9 @@ class ColossalStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         if not isinstance(tensor, Tensor):
             return tensor
+        if isinstance(tensor, DTensor):
+            # e.g. a loss computed under tensor parallelism's loss_parallel (replicated over the tp ranks)
+            tensor = tensor.full_tensor()
         op = reduce_op if isinstance(reduce_op, str) else _reduce_op_name(reduce_op)
         return collectives.all_reduce(tensor.clone(), op=op or "mean", group=group)
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+# Model-parallel examples need as many ranks as their layout.
+WORLD_SIZE = {"colossal_hybrid": 2}
 
 
 def run_example_body(config: str, root: str) -> int:
@@ -40,5 +42,6 @@ def test_examples_exist():
 
 
 @pytest.mark.parametrize("config", EXAMPLES, ids=[path.stem for path in EXAMPLES])
-def test_example_config_trains(rank_pool_1, tmp_path, config):
-    assert rank_pool_1.run(run_example_body, str(config), str(tmp_path), timeout=180) == [2]
+def test_example_config_trains(rank_pools, tmp_path, config):
+    pool = rank_pools.get(WORLD_SIZE.get(config.stem, 1))
+    assert pool.run(run_example_body, str(config), str(tmp_path), timeout=180) == [2] * pool.world_size
