@@ -257,3 +257,25 @@ def new_group_containing(rank_lists: list[list[int]], timeout: timedelta) -> Pro
         if own in ranks:
             mine = group
     return mine
+
+
+_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+
+
+def send_tensor(tensor: torch.Tensor, destination: int, group: ProcessGroup) -> None:
+    """Send ``tensor`` (any shape, one of a few dtypes) to ``destination``, a rank within ``group``."""
+    header = torch.zeros(10, dtype=torch.int64, device=tensor.device)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    dist.send(header, group_dst=destination, group=group)
+    dist.send(tensor.contiguous(), group_dst=destination, group=group)
+
+
+def receive_tensor(source: int, group: ProcessGroup, device: torch.device) -> torch.Tensor:
+    """Receive a tensor sent with ``send_tensor`` from ``source``, a rank within ``group``."""
+    header = torch.zeros(10, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=source, group=group)
+    dimensions, dtype = int(header[0]), _DTYPES[int(header[1])]
+    tensor = torch.empty(tuple(header[2 : 2 + dimensions].tolist()), dtype=dtype, device=device)
+    dist.recv(tensor, group_src=source, group=group)
+    return tensor

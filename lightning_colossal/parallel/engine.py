@@ -133,7 +133,9 @@ class HybridEngine:
         self.policy.prune(self.model, keep, first=0 in stage_indices, last=last in stage_indices)
         self.holds_first_stage = 0 in stage_indices
         # Who holds the first and last stage (rank 0 and S-1; both on rank 0 for the V schedule).
-        holders = sorted({0, stages_of_rank_holding(last, groups.pp_size, config)})
+        #: Pipeline rank running each stage.
+        self.stage_holders = [stages_of_rank_holding(stage, groups.pp_size, config) for stage in range(config.num_stages)]
+        holders = sorted({0, self.stage_holders[last]})
         self.tie_group = stage_tie_group(groups.mesh, holders, timeout) if len(holders) > 1 else None
         present = {id(parameter) for parameter in self.root.parameters()}
         self.tied = [

@@ -167,8 +167,15 @@ class PipelineRunner:
         loss = torch.stack([value.detach() for value in losses]).sum() if self.holds_last else None
         return PipelineResult(loss=loss, outputs=[])
 
-    def evaluate(self, inputs: Tensor | None, num_microbatches: int) -> PipelineResult:
-        """Forward only; the last stage's outputs per micro-batch come back on the rank holding it."""
+    def evaluate(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:
+        """Forward only; the last stage's outputs per micro-batch come back on the rank holding it.
+
+        ``holders[s]`` is the pipeline rank running stage ``s``. torch's zero-bubble V schedule has no forward-only
+        mode, so under ``zbv`` micro-batches go through the stages one after the other (no overlap; evaluation has
+        no backward to overlap with anyway, only the pipeline fill).
+        """
+        if self.schedule_name == "zbv":
+            return self._evaluate_in_order(inputs, num_microbatches, holders)
         schedule = self._schedule(num_microbatches, training=False)
         arguments = (inputs,) if self.holds_first else ()
         with torch.no_grad():
@@ -176,6 +183,29 @@ class PipelineRunner:
         outputs = list(output) if self.holds_last and isinstance(output, (list, tuple)) else []
         if self.holds_last and isinstance(output, Tensor):
             outputs = list(output.chunk(num_microbatches))
+        return PipelineResult(loss=None, outputs=outputs)
+
+
+    def _evaluate_in_order(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:
+        own = collectives.rank(self.group)
+        module_of = dict(zip(self.stage_indices, self.stage_modules, strict=True))
+        pieces: list[Tensor | None] = list(inputs.chunk(num_microbatches)) if inputs is not None else [None] * num_microbatches
+        outputs = []
+        with torch.no_grad():
+            for piece in pieces:
+                hidden = piece
+                for stage in range(self.num_stages):
+                    if holders[stage] != own:
+                        continue
+                    if stage > 0 and holders[stage - 1] != own:
+                        hidden = collectives.receive_tensor(holders[stage - 1], self.group, self.device)
+                    assert hidden is not None
+                    hidden = module_of[stage](hidden)
+                    if stage + 1 < self.num_stages and holders[stage + 1] != own:
+                        collectives.send_tensor(hidden, holders[stage + 1], self.group)
+                if self.holds_last:
+                    assert hidden is not None
+                    outputs.append(hidden)
         return PipelineResult(loss=None, outputs=outputs)
 
 

@@ -263,7 +263,7 @@ class HybridParallelStrategy(ColossalStrategy):
         config = self.hybrid_config
         num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
         with self.precision_plugin.val_step_context():
-            result = runner.evaluate(inputs, num_microbatches)
+            result = runner.evaluate(inputs if runner.holds_first else None, num_microbatches, self.engine.stage_holders)
             loss = None
             if runner.holds_last:
                 self.engine._loss_function = self.lightning_module.pipeline_loss

@@ -79,8 +79,20 @@ class TinyGPTModule(LightningModule):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.step_losses.append(float(loss))
 
+    def validation_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        inputs, targets = batch
+        assert self.model is not None
+        return language_model_loss(self.model(inputs), targets)
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_index: int, dataloader_index: int = 0) -> None:
+        # Pipelines return the loss of the whole batch to every rank; other layouts their own loss.
+        self.log("val_loss", outputs, sync_dist=True)
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(token_dataset(), batch_size=self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_dataset(), batch_size=self.batch_size)
@@ -158,3 +170,28 @@ def checkpoint_body(
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return {"weights": full_weights(module, strategy), "losses": module.step_losses}
+
+
+def validate_body(strategy_kwargs: dict[str, Any]) -> float:
+    """``trainer.validate`` on two batches of the untrained GPT; returns the logged mean loss."""
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = TinyGPTModule()
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, limit_val_batches=2)
+    return float(trainer.validate(module, verbose=False)[0]["val_loss"])
+
+
+def validation_oracle(batch_size: int = 4, num_batches: int = 2) -> float:
+    from lightning_colossal.demo.model import GPT
+
+    torch.manual_seed(MODEL_SEED)
+    model = GPT(gpt_config())
+    inputs, targets = token_dataset().tensors
+    with torch.no_grad():
+        losses = [
+            language_model_loss(model(inputs[start : start + batch_size]), targets[start : start + batch_size])
+            for start in range(0, batch_size * num_batches, batch_size)
+        ]
+    return float(torch.stack(losses).mean())

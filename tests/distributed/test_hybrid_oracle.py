@@ -55,3 +55,16 @@ def test_four_ranks_match_oracle(rank_pool_4, case):
     strategy_kwargs, dp_size = CASES_4[case]
     results = rank_pool_4.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, timeout=300)
     _assert_matches(results, bodies.oracle(dp_size, STEPS))
+
+
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [{"tp_size": 2}, {"pp_size": 2, "num_microbatches": 2}, {"pp_size": 2, "num_microbatches": 4, "pp_schedule": "zbv",
+                                                              "num_model_chunks": 2}],
+    ids=["tp2", "pp2_1f1b", "pp2_zbv"],
+)
+def test_validation_matches_oracle(rank_pool_2, strategy_kwargs):
+    """Forward-only schedules (pp) and loss_parallel (tp) give the single-process validation loss on every rank."""
+    results = rank_pool_2.run(bodies.validate_body, strategy_kwargs, timeout=300)
+    expected = bodies.validation_oracle()
+    assert results == pytest.approx([expected] * 2, abs=1e-5)
