@@ -83,7 +83,9 @@ class HybridEngine:
         #: Every weight name of the whole model (pipeline ranks hold only some of them).
         self.whole_model_keys: list[str] = list(root.state_dict().keys())
         self.names_of: dict[int, list[str]] = _names_by_parameter(root)
-        self.full_shapes: dict[int, torch.Size] = {key: _shape_of(root, names[0]) for key, names in self.names_of.items()}
+        self.full_shapes: dict[int, torch.Size] = {
+            key: _shape_of(root, names[0]) for key, names in self.names_of.items()
+        }
         self.plan: ParallelPlan = policy.parallelize(model, self.context)
         self._rekey_after_replacement()
         self._gradient_hooks = [
@@ -134,16 +136,30 @@ class HybridEngine:
         self.holds_first_stage = 0 in stage_indices
         # Who holds the first and last stage (rank 0 and S-1; both on rank 0 for the V schedule).
         #: Pipeline rank running each stage.
-        self.stage_holders = [stages_of_rank_holding(stage, groups.pp_size, config) for stage in range(config.num_stages)]
+        self.stage_holders = [
+            stages_of_rank_holding(stage, groups.pp_size, config) for stage in range(config.num_stages)
+        ]
         holders = sorted({0, self.stage_holders[last]})
         self.tie_group = stage_tie_group(groups.mesh, holders, timeout) if len(holders) > 1 else None
         present = {id(parameter) for parameter in self.root.parameters()}
-        self.tied = [
-            parameter for parameter in self.root.parameters() if id(parameter) in multiple_names and id(parameter) in present
-        ] if self.tie_group is not None else []
+        self.tied = (
+            [
+                parameter
+                for parameter in self.root.parameters()
+                if id(parameter) in multiple_names and id(parameter) in present
+            ]
+            if self.tie_group is not None
+            else []
+        )
         assert groups.pp_group is not None
         self.runner = PipelineRunner(
-            modules, stage_indices, config.num_stages, groups.pp_group, self.device, config.pp_schedule, self._stage_loss
+            modules,
+            stage_indices,
+            config.num_stages,
+            groups.pp_group,
+            self.device,
+            config.pp_schedule,
+            self._stage_loss,
         )
         self._loss_function: Callable[[Tensor, Any], Tensor] | None = None
         self._loss_multiplier = 1.0
@@ -212,7 +228,10 @@ class HybridEngine:
         """(every gradient the step uses, the ones this rank counts in the norm)."""
         if self.zero is not None:
             entries = [(entry, entry.master.grad) for entry in self.zero.sharded_masters]
-            owner = {entry.name: member.parameter for entry, member in zip(self.zero.sharded_masters, self.zero.members, strict=True)}
+            owner = {
+                entry.name: member.parameter
+                for entry, member in zip(self.zero.sharded_masters, self.zero.members, strict=True)
+            }
             all_gradients = [gradient for _, gradient in entries if gradient is not None]
             counted = [
                 gradient
@@ -363,7 +382,11 @@ class HybridEngine:
             if placement is None:
                 continue
             for key, value in list(entries.items()):
-                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == self.full_shapes[id(parameter)]:
+                if (
+                    isinstance(value, Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == self.full_shapes[id(parameter)]
+                ):
                     entries[key] = shard_of(value, placement, self.context.tp_rank, self.context.tp_size).clone()
         return state
 
@@ -376,7 +399,8 @@ class HybridEngine:
         mapping = local_to_canonical if to_canonical else {value: key for key, value in local_to_canonical.items()}
         renamed = {mapping.get(name, name): entries for name, entries in state["state"].items()}
         groups = [
-            {**group, "params": [mapping.get(name, name) for name in group["params"]]} for group in state["param_groups"]
+            {**group, "params": [mapping.get(name, name) for name in group["params"]]}
+            for group in state["param_groups"]
         ]
         return {"state": renamed, "param_groups": groups}
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -121,9 +120,7 @@ class GPTStage(nn.Module):
     the logits as a plain tensor (the pipeline's loss wrapper turns it into a DTensor for ``loss_parallel``).
     """
 
-    def __init__(
-        self, model: GPT, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
-    ) -> None:
+    def __init__(self, model: GPT, layer_indices: list[int], first: bool, last: bool, context: ParallelContext) -> None:
         super().__init__()
         self.first, self.last, self.context = first, last, context
         self.embedding_dropout = model.embedding_dropout

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -44,29 +45,64 @@ class HybridGroups:
         return self.dp_size * self.sp_size
 
 
-def build_groups(mesh: DeviceMesh) -> HybridGroups:
-    """Every rank must call this (creating groups is collective)."""
-    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape, strict=True))
-    pp, dp, sp, tp = (int(sizes[axis]) for axis in ("pp", "dp", "sp", "tp"))
-    layout = mesh.mesh.permute(0, 3, 1, 2).reshape(pp, tp, dp * sp)
-    reduction = DeviceMesh(mesh.device_type, layout, mesh_dim_names=("pp", "tp", "reduce"))
-    reduce_mesh = reduction["reduce"]
+def _axis_lists(grid: torch.Tensor, axis: int) -> list[list[int]]:
+    """Rank lists along ``axis`` of ``grid``, one per position of the other axes."""
+    moved = grid.movedim(axis, -1)
+    return moved.reshape(-1, moved.shape[-1]).tolist()
+
+
+def _group_name(group: ProcessGroup | None) -> str:
+    return str(getattr(group, "group_name", "none"))
+
+
+def build_groups(mesh: DeviceMesh, timeout: timedelta) -> HybridGroups:
+    """Every rank must call this (creating groups is collective).
+
+    The groups are created here and wrapped with ``DeviceMesh.from_group`` rather than sliced from ``mesh``: torch
+    caches sliced meshes by their layout, and a cached slice can name groups that a previous run in the same
+    process (a notebook, the test pool) already destroyed.
+    """
+    grid = mesh.mesh  # [pp, dp, sp, tp]
+    pp, dp, sp, tp = (int(size) for size in grid.shape)
+    own = collectives.rank()
+    pp_index, dp_index, sp_index, tp_index = (int(index) for index in (grid == own).nonzero()[0])
+    layout = grid.permute(0, 3, 1, 2).reshape(pp, tp, dp * sp)  # [pp, tp, dp x sp]
+    reduce_index = dp_index * sp + sp_index
+    tp_group = collectives.new_group_containing(_axis_lists(grid, 3), timeout)
+    sp_group = collectives.new_group_containing(_axis_lists(grid, 2), timeout)
+    pp_group = collectives.new_group_containing(_axis_lists(grid, 0), timeout)
+    reduce_group = collectives.new_group_containing(_axis_lists(layout, 2), timeout)
+    device_type = mesh.device_type
+    # Names unique to these groups: DeviceMesh equality ignores groups, and DTensor's sharding caches would otherwise
+    # hand an equal-looking mesh of an earlier run (same ranks, same names) whose groups are gone.
+    tp_name, reduce_name = (
+        f"{axis}_{_group_name(group)}" for axis, group in (("tp", tp_group), ("reduce", reduce_group))
+    )
+    tp_mesh = DeviceMesh.from_group(
+        tp_group, device_type, mesh=grid[pp_index, dp_index, sp_index].tolist(), mesh_dim_names=(tp_name,)
+    )
+    reduce_mesh = DeviceMesh.from_group(
+        reduce_group, device_type, mesh=layout[pp_index, tp_index].tolist(), mesh_dim_names=(reduce_name,)
+    )
+    describe_mesh = DeviceMesh.from_group(
+        [tp_group, reduce_group], device_type, mesh=layout[pp_index].tolist(), mesh_dim_names=(tp_name, reduce_name)
+    )
     return HybridGroups(
         mesh=mesh,
-        tp_mesh=mesh["tp"],
-        tp_group=mesh["tp"].get_group() if tp > 1 else None,
-        sp_group=mesh["sp"].get_group() if sp > 1 else None,
-        pp_group=mesh["pp"].get_group() if pp > 1 else None,
+        tp_mesh=tp_mesh,
+        tp_group=tp_group if tp > 1 else None,
+        sp_group=sp_group if sp > 1 else None,
+        pp_group=pp_group if pp > 1 else None,
         reduce_mesh=reduce_mesh,
-        reduce_group=reduce_mesh.get_group() if dp * sp > 1 else None,
-        describe_mesh=reduction["tp", "reduce"],
+        reduce_group=reduce_group if dp * sp > 1 else None,
+        describe_mesh=describe_mesh,
         tp_size=tp,
         pp_size=pp,
         sp_size=sp,
         dp_size=dp,
-        tp_rank=mesh["tp"].get_local_rank(),
-        pp_rank=mesh["pp"].get_local_rank(),
-        reduce_rank=reduce_mesh.get_local_rank(),
+        tp_rank=tp_index,
+        pp_rank=pp_index,
+        reduce_rank=reduce_index,
     )
 
 

@@ -185,11 +185,12 @@ class PipelineRunner:
             outputs = list(output.chunk(num_microbatches))
         return PipelineResult(loss=None, outputs=outputs)
 
-
     def _evaluate_in_order(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:
         own = collectives.rank(self.group)
         module_of = dict(zip(self.stage_indices, self.stage_modules, strict=True))
-        pieces: list[Tensor | None] = list(inputs.chunk(num_microbatches)) if inputs is not None else [None] * num_microbatches
+        pieces: list[Tensor | None] = (
+            list(inputs.chunk(num_microbatches)) if inputs is not None else [None] * num_microbatches
+        )
         outputs = []
         with torch.no_grad():
             for piece in pieces:
@@ -209,7 +210,9 @@ class PipelineRunner:
         return PipelineResult(loss=None, outputs=outputs)
 
 
-def _scaled_loss(loss_function: Callable[[Tensor, Any], Tensor], num_microbatches: int) -> Callable[[Tensor, Any], Tensor]:
+def _scaled_loss(
+    loss_function: Callable[[Tensor, Any], Tensor], num_microbatches: int
+) -> Callable[[Tensor, Any], Tensor]:
     # Dividing each loss (not the gradients afterwards, as the schedules' scale_grads does) keeps gradients that
     # Lightning accumulates over several batches intact.
     def scaled(output: Tensor, target: Any) -> Tensor:
@@ -218,7 +221,9 @@ def _scaled_loss(loss_function: Callable[[Tensor, Any], Tensor], num_microbatche
     return scaled
 
 
-def broadcast_from_last_stage(value: Tensor | None, holds_last: bool, group: ProcessGroup, device: torch.device) -> Tensor:
+def broadcast_from_last_stage(
+    value: Tensor | None, holds_last: bool, group: ProcessGroup, device: torch.device
+) -> Tensor:
     """Give every pipeline rank the last stage's scalar (e.g. the loss for logging): one sum all-reduce."""
     scalar = value.detach().float().reshape(()) if holds_last and value is not None else torch.zeros((), device=device)
     scalar = scalar.clone()

@@ -42,8 +42,8 @@ def find_policy(
     if isinstance(policy, dict):
         from lightning_colossal.parallel.plan_policy import PlanPolicy
 
-        policy = PlanPolicy(policy)
-    candidates = [policy] if policy is not None else built_in_policies()
+        return root, PlanPolicy(policy)
+    candidates: list[ModelPolicy] = [policy] if policy is not None else built_in_policies()
     for module in root.modules():
         for candidate in candidates:
             if candidate.accepts(module):

@@ -61,17 +61,23 @@ class ModelPolicy:
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         """The stack of repeated layers that pipeline stages divide."""
-        raise NotImplementedError
+        raise self._no_pipeline()
 
     def stage_module(
         self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
     ) -> nn.Module:
         """A module running one pipeline stage: embedding if ``first``, the given layers, head if ``last``."""
-        raise NotImplementedError
+        raise self._no_pipeline()
 
     def prune(self, model: nn.Module, keep_layers: set[int], first: bool, last: bool) -> None:
         """Drop what this pipeline rank does not run (layers not in ``keep_layers``; embedding or head)."""
-        raise NotImplementedError
+        raise self._no_pipeline()
+
+    def _no_pipeline(self) -> ValueError:
+        return ValueError(
+            f"The {self.name} policy cannot cut the model into pipeline stages (only the demo GPT's policy can so far):"
+            " use pp_size=1 with this model, or pass a ModelPolicy subclass that implements layers/stage_module/prune."
+        )
 
     def wrap_layers_for_recomputation(self, model: nn.Module) -> None:
         """Recompute each layer's activations in backward instead of keeping them (activation checkpointing)."""
@@ -87,12 +93,18 @@ def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def column_parallel(linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False) -> nn.Module:
+def column_parallel(
+    linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False
+) -> nn.Module:
     """Replace a Linear (or ``[in, out]`` Conv1D when ``transposed``) by its column-parallel shard."""
     dim = 1 if transposed else 0
     placement = TensorParallelPlacement(dim)
     weight = _shard_clone(linear.weight, placement, context)
-    bias = None if getattr(linear, "bias", None) is None else _shard_clone(linear.bias, TensorParallelPlacement(0), context)
+    bias = (
+        None
+        if getattr(linear, "bias", None) is None
+        else _shard_clone(linear.bias, TensorParallelPlacement(0), context)
+    )
     layer = ColumnParallelLinear(weight, bias, context, transposed=transposed)
     _keep_frozen(layer, linear)
     plan.record(layer.weight, placement)
@@ -100,7 +112,9 @@ def column_parallel(linear: nn.Module, context: ParallelContext, plan: ParallelP
     return layer
 
 
-def row_parallel(linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False) -> nn.Module:
+def row_parallel(
+    linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False
+) -> nn.Module:
     """Replace a Linear (or ``[in, out]`` Conv1D) by its row-parallel shard; the bias stays whole."""
     dim = 0 if transposed else 1
     placement = TensorParallelPlacement(dim)

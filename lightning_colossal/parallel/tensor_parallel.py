@@ -100,10 +100,14 @@ def full_from_shards(local: Tensor, placement: TensorParallelPlacement, group: P
     # Rank-major [rank][block] back to block-major [block][rank].
     per_rank = gathered.chunk(size, dim=placement.dim)
     blocks = [piece.chunk(placement.fused_parts, dim=placement.dim) for piece in per_rank]
-    return torch.cat([blocks[rank][part] for part in range(placement.fused_parts) for rank in range(size)], placement.dim)
+    return torch.cat(
+        [blocks[rank][part] for part in range(placement.fused_parts) for rank in range(size)], placement.dim
+    )
 
 
-def describe_shard(local: Tensor, placement: TensorParallelPlacement, mesh: DeviceMesh, full_shape: torch.Size) -> Tensor:
+def describe_shard(
+    local: Tensor, placement: TensorParallelPlacement, mesh: DeviceMesh, full_shape: torch.Size
+) -> Tensor:
     """This rank's contiguous piece as a ``DTensor`` of the whole tensor (what DCP saves and reshards)."""
     assert placement.fused_parts == 1, "fused parameters are saved whole (see HybridEngine.model_state)"
     stride = tuple(int(torch.Size(full_shape)[index + 1 :].numel()) for index in range(len(full_shape)))
@@ -117,9 +121,7 @@ class ColumnParallelLinear(nn.Module):
     output holds this rank's features. ``transposed`` weights are stored ``[in, out]`` (GPT-2's ``Conv1D``).
     """
 
-    def __init__(
-        self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False
-    ) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False) -> None:
         super().__init__()
         self.weight = _as_parameter(weight)
         self.bias = None if bias is None else _as_parameter(bias)
@@ -144,9 +146,7 @@ class RowParallelLinear(nn.Module):
     The bias is whole on every rank and added once, after the sum.
     """
 
-    def __init__(
-        self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False
-    ) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, context: ParallelContext, transposed: bool = False) -> None:
         super().__init__()
         self.weight = _as_parameter(weight)
         self.bias = None if bias is None else _as_parameter(bias)

@@ -419,7 +419,9 @@ class ColossalStrategy(ParallelStrategy):
     ) -> dict[str, Any]:
         available = saved_keys(path)
         model_state = self.model_state_for_checkpoint()
-        _check_model_keys(path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict)
+        _check_model_keys(
+            path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict
+        )
         metadata = load_metadata(path, weights_only)
         tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
         optimizers = self.optimizers if fitting else []

@@ -128,7 +128,7 @@ class HybridParallelStrategy(ColossalStrategy):
                 model,
                 policy,
                 self.hybrid_config,
-                build_groups(self.device_mesh),
+                build_groups(self.device_mesh, self._timeout),
                 self.root_device,
                 self._timeout,
             )
@@ -249,7 +249,9 @@ class HybridParallelStrategy(ColossalStrategy):
         # Lightning zeroes gradients between `training_step` and `backward`; the schedule's backward already ran, so its
         # gradients are set aside here and put back when Lightning calls `backward` (see there).
         self._stashed_gradients = [
-            (parameter, parameter.grad) for parameter in self.lightning_module.parameters() if parameter.grad is not None
+            (parameter, parameter.grad)
+            for parameter in self.lightning_module.parameters()
+            if parameter.grad is not None
         ]
         for parameter, _ in self._stashed_gradients:
             parameter.grad = None
@@ -263,7 +265,9 @@ class HybridParallelStrategy(ColossalStrategy):
         config = self.hybrid_config
         num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
         with self.precision_plugin.val_step_context():
-            result = runner.evaluate(inputs if runner.holds_first else None, num_microbatches, self.engine.stage_holders)
+            result = runner.evaluate(
+                inputs if runner.holds_first else None, num_microbatches, self.engine.stage_holders
+            )
             loss = None
             if runner.holds_last:
                 self.engine._loss_function = self.lightning_module.pipeline_loss
@@ -378,5 +382,3 @@ def _local_loss(output: Any) -> Any:
     if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
         return {**output, "loss": output["loss"].to_local()}
     return output
-
-

@@ -309,9 +309,7 @@ class ZeroEngine:
     # ---------------------------------------------------------------------------------------------- checkpoints
     def masters_by_name(self) -> dict[str, Tensor]:
         """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
-        return {
-            entry.name: self._described(entry, entry.master) for entry in self.sharded_masters
-        }
+        return {entry.name: self._described(entry, entry.master) for entry in self.sharded_masters}
 
     def _described(self, entry: ShardedMaster, value: Tensor) -> Tensor:
         if self.describe is not None:

@@ -39,6 +39,34 @@ def gpt_config(**overrides: Any) -> Any:
     return GPTConfig(**settings)
 
 
+def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
+    """The demo GPT, or a tiny Hugging Face Llama built from a config (no download)."""
+    torch.manual_seed(MODEL_SEED)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQUENCE,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+        return LlamaForCausalLM(config)
+    from lightning_colossal.demo.model import GPT
+
+    return GPT(gpt_config(**overrides))
+
+
+def logits_of(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    output = model(inputs)
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
 def token_dataset() -> TensorDataset:
     generator = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (NUM_SAMPLES, SEQUENCE + 1), generator=generator)
@@ -52,9 +80,10 @@ def language_model_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 class TinyGPTModule(LightningModule):
     """A LightningModule written once for every mode: pp > 1 uses ``pipeline_loss``, the others ``training_step``."""
 
-    def __init__(self, batch_size: int = 4, **config: Any) -> None:
+    def __init__(self, batch_size: int = 4, kind: str = "gpt", **config: Any) -> None:
         super().__init__()
         self.batch_size = batch_size
+        self.kind = kind
         self.config_overrides = config
         self.model: torch.nn.Module | None = None
         self.step_losses: list[float] = []
@@ -62,15 +91,12 @@ class TinyGPTModule(LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from lightning_colossal.demo.model import GPT
-
-        torch.manual_seed(MODEL_SEED)
-        self.model = GPT(gpt_config(**self.config_overrides))
+        self.model = build_model(self.kind, **self.config_overrides)
 
     def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         inputs, targets = batch
         assert self.model is not None
-        return language_model_loss(self.model(inputs), targets)
+        return language_model_loss(logits_of(self.model, inputs), targets)
 
     def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return language_model_loss(outputs, targets)
@@ -107,27 +133,36 @@ def full_weights(module: LightningModule, strategy: Any) -> dict[str, torch.Tens
     }
 
 
-def hybrid_train_body(strategy_kwargs: dict[str, Any], steps: int, trainer_kwargs: dict[str, Any] | None = None,
-                      module_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+def hybrid_train_body(
+    strategy_kwargs: dict[str, Any],
+    steps: int,
+    trainer_kwargs: dict[str, Any] | None = None,
+    module_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from lightning_colossal import HybridParallelStrategy
 
     seed_everything(MODEL_SEED, verbose=False)
     module = TinyGPTModule(**(module_kwargs or {}))
     strategy = HybridParallelStrategy(**strategy_kwargs)
-    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps,
-                            **(trainer_kwargs or {}))
+    trainer = quiet_trainer(
+        devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps, **(trainer_kwargs or {})
+    )
     trainer.fit(module)
     return {"weights": full_weights(module, strategy), "losses": module.step_losses}
 
 
-def oracle(dp_size: int, steps: int, batch_size: int = 4, accumulate: int = 1, clip_norm: float | None = None,
-           **config: Any) -> dict[str, Any]:
+def oracle(
+    dp_size: int,
+    steps: int,
+    batch_size: int = 4,
+    accumulate: int = 1,
+    clip_norm: float | None = None,
+    kind: str = "gpt",
+    **config: Any,
+) -> dict[str, Any]:
     """Single-process training of the same GPT on each step's global batch."""
-    from lightning_colossal.demo.model import GPT
-
     seed_everything(MODEL_SEED, verbose=False)
-    torch.manual_seed(MODEL_SEED)
-    model = GPT(gpt_config(**config))
+    model = build_model(kind, **config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
     dataset = token_dataset()
     inputs, targets = dataset.tensors
@@ -138,7 +173,7 @@ def oracle(dp_size: int, steps: int, batch_size: int = 4, accumulate: int = 1, c
         step_losses = []
         for _ in range(accumulate):
             chosen = [index for rank_indices in next(batches) for index in rank_indices]
-            step_losses.append(language_model_loss(model(inputs[chosen]), targets[chosen]))
+            step_losses.append(language_model_loss(logits_of(model, inputs[chosen]), targets[chosen]))
         loss = torch.stack(step_losses).mean()
         loss.backward()
         losses.append(loss.item())

@@ -17,16 +17,16 @@ def _check_continuation(results, reference) -> None:
     got = bodies.merged_weights(results)
     assert set(got) == set(reference["weights"])
     for name, expected in reference["weights"].items():
-        torch.testing.assert_close(got[name], expected, atol=1e-4, rtol=1e-4, msg=lambda message: f"{name}: {message}")
+        torch.testing.assert_close(
+            got[name], expected, atol=1e-4, rtol=1e-4, msg=lambda message, name=name: f"{name}: {message}"
+        )
     rank_mean = torch.tensor([result["losses"] for result in results]).mean(dim=0)
     torch.testing.assert_close(rank_mean, torch.tensor(reference["losses"][STEPS_PER_EPOCH:]), atol=1e-5, rtol=1e-5)
 
 
 def test_tp2_dp2_checkpoint_resumes_at_pp2_dp2_and_one_rank(rank_pool_4, rank_pool_1, tmp_path):
     saved = str(tmp_path / "tp2_dp2.ckpt")
-    first = rank_pool_4.run(
-        bodies.checkpoint_body, {"tp_size": 2, "zero_stage": 1}, 1, 4, saved, None, timeout=300
-    )
+    first = rank_pool_4.run(bodies.checkpoint_body, {"tp_size": 2, "zero_stage": 1}, 1, 4, saved, None, timeout=300)
     reference = bodies.oracle(2, 2 * STEPS_PER_EPOCH)
     assert len(first[0]["losses"]) == STEPS_PER_EPOCH
 

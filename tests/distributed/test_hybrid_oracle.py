@@ -16,7 +16,9 @@ def _assert_matches(results: list[dict[str, Any]], reference: dict[str, Any], at
     got = bodies.merged_weights(results)
     assert set(got) == set(reference["weights"]), sorted(set(got) ^ set(reference["weights"]))
     for name, expected in reference["weights"].items():
-        torch.testing.assert_close(got[name], expected, atol=atol, rtol=1e-4, msg=lambda message: f"{name}: {message}")
+        torch.testing.assert_close(
+            got[name], expected, atol=atol, rtol=1e-4, msg=lambda message, name=name: f"{name}: {message}"
+        )
     # Each rank logs the mean loss over its own samples/tokens; tensor and pipeline peers agree, data and sequence
     # peers differ, and with equal shares their mean is the global loss.
     rank_mean = torch.tensor([result["losses"] for result in results]).mean(dim=0)
@@ -59,8 +61,11 @@ def test_four_ranks_match_oracle(rank_pool_4, case):
 
 @pytest.mark.parametrize(
     "strategy_kwargs",
-    [{"tp_size": 2}, {"pp_size": 2, "num_microbatches": 2}, {"pp_size": 2, "num_microbatches": 4, "pp_schedule": "zbv",
-                                                              "num_model_chunks": 2}],
+    [
+        {"tp_size": 2},
+        {"pp_size": 2, "num_microbatches": 2},
+        {"pp_size": 2, "num_microbatches": 4, "pp_schedule": "zbv", "num_model_chunks": 2},
+    ],
     ids=["tp2", "pp2_1f1b", "pp2_zbv"],
 )
 def test_validation_matches_oracle(rank_pool_2, strategy_kwargs):
@@ -68,3 +73,17 @@ def test_validation_matches_oracle(rank_pool_2, strategy_kwargs):
     results = rank_pool_2.run(bodies.validate_body, strategy_kwargs, timeout=300)
     expected = bodies.validation_oracle()
     assert results == pytest.approx([expected] * 2, abs=1e-5)
+
+
+def test_huggingface_llama_tp2_from_its_own_plan(rank_pool_2):
+    """A tiny Llama (from a config) is split by its config.base_model_tp_plan and trains like one process."""
+    pytest.importorskip("transformers")
+    results = rank_pool_2.run(bodies.hybrid_train_body, {"tp_size": 2}, STEPS, None, {"kind": "llama"}, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind="llama"))
+
+
+def test_user_plan_on_the_demo_gpt(rank_pool_2):
+    """A user plan (module patterns relative to the LightningModule) splits the named linears and stays exact."""
+    plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
+    results = rank_pool_2.run(bodies.hybrid_train_body, {"tp_size": 2, "policy": plan}, STEPS, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS))
