@@ -45,7 +45,7 @@ from lightning_colossal.parallel.tensor_parallel import (
     shard_of,
     vocab_sharded,
 )
-from lightning_colossal.zero.engine import ZeroEngine
+from lightning_colossal.zero import ZeroEngine
 
 
 class HybridEngine:
