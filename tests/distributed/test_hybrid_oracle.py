@@ -87,3 +87,18 @@ def test_user_plan_on_the_demo_gpt(rank_pool_2):
     plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
     results = rank_pool_2.run(bodies.hybrid_train_body, {"tp_size": 2, "policy": plan}, STEPS, timeout=300)
     _assert_matches(results, bodies.oracle(1, STEPS))
+
+
+CLIP_CASES = {
+    "tp2_dp2": ({"tp_size": 2}, 2),
+    "tp2_dp2_zero1": ({"tp_size": 2, "zero_stage": 1}, 2),
+    "tp2_pp2": ({"tp_size": 2, "pp_size": 2, "num_microbatches": 2}, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLIP_CASES))
+def test_global_norm_clipping_matches_oracle(rank_pool_4, case):
+    """The norm spans tensor, pipeline and data-parallel shards, each element (and the tied weight) counted once."""
+    strategy_kwargs, dp_size = CLIP_CASES[case]
+    results = rank_pool_4.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, {"gradient_clip_val": 0.5}, timeout=300)
+    _assert_matches(results, bodies.oracle(dp_size, STEPS, clip_norm=0.5))
