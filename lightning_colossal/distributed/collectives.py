@@ -237,7 +237,7 @@ def all_to_all_along(
     return torch.cat(received, dim=gather_dim)
 
 
-def send_receive_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+def sum_within_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (SUM) in place within ``group``, skipping the call for a group of one; returns ``tensor``."""
     if group is None or world_size(group) == 1:
         return tensor

@@ -32,13 +32,13 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return collectives.send_receive_sum(gradient.contiguous().clone(), ctx.group), None
+        return collectives.sum_within_group(gradient.contiguous().clone(), ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return collectives.send_receive_sum(tensor.contiguous().clone(), group)
+        return collectives.sum_within_group(tensor.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
@@ -43,9 +43,18 @@ def as_global(local: Tensor, spec: ShardSpec, device_mesh: DeviceMesh) -> Tensor
     """Describe this rank's rows as a piece of the whole tensor (a DTensor sharded on dim 0)."""
     if spec.replicated:
         return local
-    shape = spec.shape
+    return piece_of_whole(local, device_mesh, [Shard(0)], spec.shape)
+
+
+def piece_of_whole(
+    local: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> DTensor:
+    """``local`` as this rank's piece of a contiguous tensor of ``shape`` laid out by ``placements`` (differentiable;
+    no communication: every rank's piece is already where the placements say)."""
     stride = tuple(math.prod(shape[index + 1 :]) for index in range(len(shape)))
-    return DTensor.from_local(local, device_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(
+        local, device_mesh, list(placements), run_check=False, shape=torch.Size(shape), stride=stride
+    )
 
 
 def is_shard_state(value: Any, master: Tensor) -> bool:
@@ -146,6 +155,21 @@ def clip_by_global_norm(
         for entry in masters
         if entry.master.grad is not None and entry.master.grad.numel() and (rank == 0 or not entry.spec.replicated)
     ]
+    return scale_to_global_norm(gradients, counted, max_norm, process_group, device)
+
+
+def scale_to_global_norm(
+    gradients: Sequence[Tensor],
+    counted: Sequence[Tensor],
+    max_norm: float,
+    process_group: ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """Scale ``gradients`` so that the global L2 norm is at most ``max_norm``; returns the norm.
+
+    ``counted`` are the gradients this rank contributes to the norm (each element of the global gradient must be
+    counted on exactly one rank); their squares are summed over ``process_group`` (the world when ``None``).
+    """
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for device_gradients in _by_device(counted):
         # Per-tensor norms in one fused pass per device (as torch's clip_grad_norm_), summed in fp64.

@@ -39,7 +39,6 @@ from lightning_colossal.parallel.pipeline import PipelineRunner, split_layers, s
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import (
     ParallelContext,
-    TensorParallelPlacement,
     describe_shard,
     full_from_shards,
     shard_of,
@@ -95,6 +94,7 @@ class HybridEngine:
             policy.wrap_layers_for_recomputation(model)
         self.runner: PipelineRunner | None = None
         self.tied: list[nn.Parameter] = []
+        self._tied_keys: set[int] = set()
         self.tie_group = None
         self.holds_first_stage = True
         if config.pp_size > 1:
@@ -102,6 +102,9 @@ class HybridEngine:
         self.zero: ZeroEngine | None = None
         self.averager: GradientAverager | None = None
         self._blocked = False
+        # The user's per-micro-batch loss and the factor (accumulation, loss scale) of the running pipeline step.
+        self._loss_function: Callable[[Tensor, Any], Tensor] | None = None
+        self._loss_multiplier = 1.0
 
     # ---------------------------------------------------------------------------------------------- set-up
     def _replicate_from_rank_zero(self) -> None:
@@ -131,26 +134,19 @@ class HybridEngine:
             for index in stage_indices
         ]
         keep = {layer for index in stage_indices for layer in ranges[index]}
-        multiple_names = {key for key, names in self.names_of.items() if len(names) > 1}
         self.policy.prune(self.model, keep, first=0 in stage_indices, last=last in stage_indices)
         self.holds_first_stage = 0 in stage_indices
-        # Who holds the first and last stage (rank 0 and S-1; both on rank 0 for the V schedule).
         #: Pipeline rank running each stage.
         self.stage_holders = [
             stages_of_rank_holding(stage, groups.pp_size, config) for stage in range(config.num_stages)
         ]
+        # The first and last stage's ranks (0 and S-1; both 0 under the V schedule) share the tied weights.
         holders = sorted({0, self.stage_holders[last]})
         self.tie_group = stage_tie_group(groups.mesh, holders, timeout) if len(holders) > 1 else None
-        present = {id(parameter) for parameter in self.root.parameters()}
-        self.tied = (
-            [
-                parameter
-                for parameter in self.root.parameters()
-                if id(parameter) in multiple_names and id(parameter) in present
-            ]
-            if self.tie_group is not None
-            else []
-        )
+        if self.tie_group is not None:
+            # Parameters that had several names in the whole model and survived pruning on this rank.
+            self.tied = [parameter for parameter in self.root.parameters() if len(self.names_of[id(parameter)]) > 1]
+            self._tied_keys = {id(parameter) for parameter in self.tied}
         assert groups.pp_group is not None
         self.runner = PipelineRunner(
             modules,
@@ -161,8 +157,6 @@ class HybridEngine:
             config.pp_schedule,
             self._stage_loss,
         )
-        self._loss_function: Callable[[Tensor, Any], Tensor] | None = None
-        self._loss_multiplier = 1.0
 
     def attach_optimizer(self, optimizer: Optimizer) -> None:
         """Data parallelism over dp x sp for the optimizer's parameters: averaging, or ZeRO-1/2."""
@@ -180,7 +174,7 @@ class HybridEngine:
     # ---------------------------------------------------------------------------------------------- gradients
     def _sum_over_tensor_parallel(self, gradient: Tensor) -> Tensor:
         # Split-gather sequence parallelism: this rank's gradient covers its sequence shard only.
-        return collectives.send_receive_sum(gradient.clone(), self.groups.tp_group)
+        return collectives.sum_within_group(gradient.clone(), self.groups.tp_group)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -202,7 +196,7 @@ class HybridEngine:
             for parameter in self.tied:
                 if parameter.grad is None:
                     parameter.grad = torch.zeros_like(parameter)
-                collectives.send_receive_sum(parameter.grad, self.tie_group)
+                collectives.sum_within_group(parameter.grad, self.tie_group)
         if self.averager is not None:
             self.averager.average()
         elif self.zero is not None and self.runner is not None:
@@ -220,7 +214,7 @@ class HybridEngine:
             return False  # identical on every tensor-parallel rank
         if replicated_over_reduce and groups.reduce_rank != 0:
             return False  # identical on every data-parallel rank
-        if any(id(parameter) == parameter_key for parameter in self.tied) and not self.holds_first_stage:
+        if parameter_key in self._tied_keys and not self.holds_first_stage:
             return False  # the first stage counts a weight tied across stages
         return True
 
@@ -253,15 +247,7 @@ class HybridEngine:
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip by the L2 norm over every rank's gradients (tensor, pipeline and data parallel); returns the norm."""
         all_gradients, counted = self._gradients_for_norm()
-        squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for gradient in counted:
-            squares += gradient.double().pow(2).sum().to(self.device)
-        collectives.all_reduce(squares, op="sum")
-        norm = squares.sqrt().float()
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for gradient in all_gradients:
-            gradient.mul_(coefficient.to(gradient.device))
-        return norm
+        return sharded_state.scale_to_global_norm(all_gradients, counted, max_norm, None, self.device)
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         for gradient in self._gradients_for_norm()[0]:
@@ -307,11 +293,25 @@ class HybridEngine:
             result = self.runner.train_step(inputs, targets, num_microbatches)
         return None if result.loss is None else result.loss / loss_multiplier
 
-    # ---------------------------------------------------------------------------------------------- checkpoints
-    def placement_of(self, parameter: Tensor) -> TensorParallelPlacement | None:
-        return self.plan.placements.get(id(parameter))
+    def pipeline_evaluate(
+        self, inputs: Tensor | None, targets: Any, num_microbatches: int, loss_function: Callable[[Tensor, Any], Tensor]
+    ) -> Tensor | None:
+        """Forward-only schedule; the mean loss over micro-batches on the rank holding the last stage."""
+        assert self.runner is not None
+        result = self.runner.evaluate(inputs, num_microbatches, self.stage_holders)
+        if not self.runner.holds_last:
+            return None
+        self._loss_function = loss_function
+        self._loss_multiplier = 1.0
+        target_pieces = targets.chunk(num_microbatches) if isinstance(targets, Tensor) else [targets]
+        with torch.no_grad(), self.loss_context():
+            losses = [
+                self._stage_loss(output, target) for output, target in zip(result.outputs, target_pieces, strict=True)
+            ]
+        return torch.stack(losses).mean()
 
-    def _whole(self, local: Tensor, key: int) -> Tensor:
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def whole_tensor_of(self, local: Tensor, key: int) -> Tensor:
         """``local`` (shaped like this rank's shard of parameter ``key``) as a piece of the whole tensor."""
         placement = self.plan.placements.get(key)
         if placement is None or self.context.tp_size == 1:
@@ -323,11 +323,11 @@ class HybridEngine:
     def model_state(self) -> dict[str, Any]:
         """This rank's weights by the root's names, tensor-parallel shards as DTensors of the whole parameters."""
         state: dict[str, Any] = {}
-        by_tensor = {id(parameter): parameter for parameter in self.root.parameters()}
+        parameter_keys = {id(parameter) for parameter in self.root.parameters()}
         local_state = self.root.state_dict()
         for name, value in local_state.items():
             key = _key_of(self.root, name)
-            state[name] = self._whole(value, key) if key in by_tensor else value
+            state[name] = self.whole_tensor_of(value, key) if key in parameter_keys else value
         return state
 
     def _describe_master(self, entry: ShardedMaster, value: Tensor) -> Tensor:
@@ -338,16 +338,9 @@ class HybridEngine:
             return sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
         if entry.spec.replicated:
             return value
-        full_shape = self.full_shapes[id(parameter)]
-        stride = tuple(int(torch.Size(full_shape)[index + 1 :].numel()) for index in range(len(full_shape)))
         # Mesh dims (tp, reduce): the tensor-parallel split is applied first, then the rows of that shard.
-        return DTensor.from_local(
-            value,
-            self.groups.describe_mesh,
-            [Shard(placement.dim), Shard(0)],
-            run_check=False,
-            shape=full_shape,
-            stride=stride,
+        return sharded_state.piece_of_whole(
+            value, self.groups.describe_mesh, [Shard(placement.dim), Shard(0)], self.full_shapes[id(parameter)]
         )
 
     def load_full_weights(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -153,13 +154,14 @@ def _embed(model: nn.Module, context: ParallelContext, input_ids: Tensor) -> Ten
             f" has {input_ids.shape[1]} tokens per sequence: use a sequence length divisible by {context.tp_size}."
         )
     tokens = model.token_embedding(input_ids)  # a sequence shard under split-gather (reduce-scattered)
-    positions = positions_for(input_ids.shape[1], context, input_ids.device, split_gather_full_length=True)
-    if int(positions[-1]) >= model.position_embedding.num_embeddings:
+    positions = positions_for(input_ids.shape[1], context)
+    if positions.stop > model.position_embedding.num_embeddings:
         raise ValueError(
             f"Sequence length exceeds block_size={model.position_embedding.num_embeddings}; crop the input or build"
             " the model with a larger block_size."
         )
-    return model.embedding_dropout(tokens + model.position_embedding(positions))
+    position_ids = torch.arange(positions.start, positions.stop, device=input_ids.device)
+    return model.embedding_dropout(tokens + model.position_embedding(position_ids))
 
 
 def _forward(model: GPT, context: ParallelContext, input_ids: Tensor) -> Tensor:

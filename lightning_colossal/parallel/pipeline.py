@@ -179,10 +179,8 @@ class PipelineRunner:
         schedule = self._schedule(num_microbatches, training=False)
         arguments = (inputs,) if self.holds_first else ()
         with torch.no_grad():
-            output = schedule.eval(*arguments) if hasattr(schedule, "eval") else schedule.step(*arguments)
-        outputs = list(output) if self.holds_last and isinstance(output, (list, tuple)) else []
-        if self.holds_last and isinstance(output, Tensor):
-            outputs = list(output.chunk(num_microbatches))
+            output = schedule.eval(*arguments)  # the micro-batch outputs concatenated, on the last stage only
+        outputs = list(output.chunk(num_microbatches)) if self.holds_last else []
         return PipelineResult(loss=None, outputs=outputs)
 
     def _evaluate_in_order(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:

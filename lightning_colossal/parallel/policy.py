@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -152,19 +151,15 @@ def check_divisible(what: str, count: int, parts: int, fix: str) -> None:
         raise ValueError(f"{what} = {count} is not divisible by {parts}: {fix}")
 
 
-def positions_for(
-    sequence_length: int, context: ParallelContext, device: torch.device, split_gather_full_length: bool
-) -> Tensor:
+def positions_for(sequence_length: int, context: ParallelContext) -> range:
     """Absolute positions of this rank's tokens: an offset under sequence parallelism.
 
     Under Ulysses (``sp``) the batch arrives already split, rank r holding the r-th slice; under split-gather the
-    batch is whole and the embedding output is split, so positions are sliced here.
+    batch is whole and the embedding output is split, so positions are sliced here. A ``range``, so callers can
+    check bounds without reading a device tensor back.
     """
-    start = 0
-    length = sequence_length
-    if context.split_gather and split_gather_full_length:
+    if context.split_gather:
         length = sequence_length // context.tp_size
-        start = context.tp_rank * length
-    elif context.sp_size > 1:
-        start = context.sp_rank * sequence_length
-    return torch.arange(start, start + length, device=device)
+        return range(context.tp_rank * length, (context.tp_rank + 1) * length)
+    start = context.sp_rank * sequence_length if context.sp_size > 1 else 0
+    return range(start, start + sequence_length)

@@ -9,8 +9,8 @@ per-op time on CPU, which the tp2 step-time target against Lightning's DTensor-b
 cannot afford; and sequence parallelism needs collectives between ops that a parallel style cannot express. DTensor
 is still used where it pays: the LM head returns its vocabulary-sharded logits as a ``DTensor`` so that torch's
 ``loss_parallel`` computes the cross-entropy without gathering them, and checkpoints describe every shard as a
-``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself keeps
-them (the engine then only reduces gradients over data parallelism).
+``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself is
+not supported yet: the engine assumes plain parameters.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from lightning_colossal.distributed import collectives, differentiable
+from lightning_colossal.distributed.sharded_state import piece_of_whole
 
 
 @dataclass(frozen=True)
@@ -110,8 +111,7 @@ def describe_shard(
 ) -> Tensor:
     """This rank's contiguous piece as a ``DTensor`` of the whole tensor (what DCP saves and reshards)."""
     assert placement.fused_parts == 1, "fused parameters are saved whole (see HybridEngine.model_state)"
-    stride = tuple(int(torch.Size(full_shape)[index + 1 :].numel()) for index in range(len(full_shape)))
-    return DTensor.from_local(local, mesh, [Shard(placement.dim)], run_check=False, shape=full_shape, stride=stride)
+    return piece_of_whole(local, mesh, [Shard(placement.dim)], full_shape)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -224,7 +224,4 @@ def vocab_sharded(local_logits: Tensor, context: ParallelContext) -> Tensor:
     """Wrap this rank's vocabulary slice of the logits as a ``DTensor`` of the whole logits (differentiably)."""
     assert context.tp_mesh is not None
     shape = (*local_logits.shape[:-1], local_logits.shape[-1] * context.tp_size)
-    stride = tuple(int(torch.Size(shape)[index + 1 :].numel()) for index in range(len(shape)))
-    return DTensor.from_local(
-        local_logits, context.tp_mesh, [Shard(local_logits.dim() - 1)], run_check=False, shape=shape, stride=stride
-    )
+    return piece_of_whole(local_logits, context.tp_mesh, [Shard(local_logits.dim() - 1)], shape)

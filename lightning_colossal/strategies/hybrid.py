@@ -9,7 +9,7 @@ pipeline schedule in place of ``training_step`` (see ``docs/hybrid.md``, "Lightn
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -143,15 +143,10 @@ class HybridParallelStrategy(ColossalStrategy):
         self.precision_plugin.gradient_clipper = self.engine
 
     # ---------------------------------------------------------------------------------------------- steps
-    @contextmanager
-    def _step_context(self) -> Generator[None, None, None]:
-        with ExitStack() as stack:
-            if self.hybrid_config.tp_size > 1:
-                from torch.distributed.tensor.parallel import loss_parallel
-
-                # Vocabulary-sharded logits: cross-entropy without gathering them (VocabParallelHead).
-                stack.enter_context(loss_parallel())
-            yield
+    def _step_context(self) -> Any:
+        # Vocabulary-sharded logits: cross-entropy without gathering them (VocabParallelHead).
+        assert self.engine is not None
+        return self.engine.loss_context()
 
     def _split_sequence(self, batch: Any) -> Any:
         """Ulysses: each sequence-parallel rank takes its slice of every ``[batch, sequence, ...]`` tensor."""
@@ -265,20 +260,9 @@ class HybridParallelStrategy(ColossalStrategy):
         config = self.hybrid_config
         num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
         with self.precision_plugin.val_step_context():
-            result = runner.evaluate(
-                inputs if runner.holds_first else None, num_microbatches, self.engine.stage_holders
+            loss = self.engine.pipeline_evaluate(
+                inputs if runner.holds_first else None, targets, num_microbatches, self.lightning_module.pipeline_loss
             )
-            loss = None
-            if runner.holds_last:
-                self.engine._loss_function = self.lightning_module.pipeline_loss
-                self.engine._loss_multiplier = 1.0
-                target_pieces = targets.chunk(num_microbatches) if isinstance(targets, Tensor) else [targets]
-                with torch.no_grad(), self.engine.loss_context():
-                    losses = [
-                        self.engine._stage_loss(output, target)
-                        for output, target in zip(result.outputs, target_pieces, strict=True)
-                    ]
-                loss = torch.stack(losses).mean()
         return broadcast_from_last_stage(loss, runner.holds_last, self.engine.groups.pp_group, self.root_device)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -352,7 +336,7 @@ class HybridParallelStrategy(ColossalStrategy):
                 key = id(self.lightning_module.get_parameter(name))
                 for state_key, value in list(entries.items()):
                     if isinstance(value, Tensor) and value.dim() > 0:
-                        entries[state_key] = engine._whole(value, key)
+                        entries[state_key] = engine.whole_tensor_of(value, key)
         return engine.rename_optimizer_state(state, to_canonical=True)
 
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
