@@ -16,10 +16,18 @@ The embedding (first stage) and a tied LM head (last stage) are one parameter in
 under pipelining. Their gradients are summed over the stages that hold them before the data-parallel reduction,
 so both copies take identical steps. Optimizer state is saved under the parameter's first name (its canonical
 name), which both copies share.
+
+[Note: fused shards are saved whole]
+A fused parameter (GPT-2's ``c_attn``: q, k and v blocks, each split over the tensor-parallel ranks) is not one
+contiguous piece of the whole tensor on any rank, and DCP only stores contiguous pieces (it rejects torch's
+``_StridedShard``). Such parameters, and their ZeRO masters and optimizer state, are gathered into whole tensors
+for a checkpoint. Loading fills those whole tensors in place, so the engine remembers (weakly: a saved state dict
+must not stay alive) which local tensor each came from and cuts the loaded values back in ``restore_gathered``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,6 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, ZeroConfig
 from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.rows import ShardSpec
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.parallel.data_parallel import GradientAverager
 from lightning_colossal.parallel.groups import HybridGroups, stage_tie_group
@@ -39,6 +48,7 @@ from lightning_colossal.parallel.pipeline import PipelineRunner, split_layers, s
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import (
     ParallelContext,
+    TensorParallelPlacement,
     describe_shard,
     full_from_shards,
     shard_of,
@@ -97,6 +107,10 @@ class HybridEngine:
         self._tied_keys: set[int] = set()
         self.tie_group = None
         self.holds_first_stage = True
+        # Whether the last stage returns this rank's vocabulary slice of the logits (a vocabulary-parallel head).
+        self._stage_logits_sharded = False
+        # Whole tensors handed out for fused parameters (see [Note: fused shards are saved whole]).
+        self._gathered: list[tuple[weakref.ref[Tensor], Tensor, TensorParallelPlacement, ShardSpec | None]] = []
         if config.pp_size > 1:
             self._cut_pipeline(timeout)
         self.zero: ZeroEngine | None = None
@@ -135,6 +149,7 @@ class HybridEngine:
         ]
         keep = {layer for index in stage_indices for layer in ranges[index]}
         self.policy.prune(self.model, keep, first=0 in stage_indices, last=last in stage_indices)
+        self._stage_logits_sharded = any(getattr(module, "vocab_parallel_output", False) for module in modules)
         self.holds_first_stage = 0 in stage_indices
         #: Pipeline rank running each stage.
         self.stage_holders = [
@@ -257,7 +272,7 @@ class HybridEngine:
     def _stage_loss(self, output: Tensor, target: Any) -> Tensor:
         """The user's loss on the last stage's output (runs inside ``_loss_context``)."""
         assert self._loss_function is not None
-        if self.context.tp_size > 1 and output.dim() >= 1:
+        if self._stage_logits_sharded and output.dim() >= 1:
             loss = self._loss_function(vocab_sharded(output, self.context), target)
             if isinstance(loss, DTensor):
                 loss = loss.to_local()
@@ -317,8 +332,30 @@ class HybridEngine:
         if placement is None or self.context.tp_size == 1:
             return local
         if placement.fused_parts > 1:
-            return full_from_shards(local, placement, self.context.tp_group)
+            return self._gathered_whole(local, local, placement, None)
         return describe_shard(local, placement, self.groups.tp_mesh, self.full_shapes[key])
+
+    def _gathered_whole(
+        self, tensor_parallel_shard: Tensor, target: Tensor, placement: TensorParallelPlacement, spec: ShardSpec | None
+    ) -> Tensor:
+        """The whole tensor of a fused parameter's shard, remembered for ``restore_gathered``."""
+        whole = full_from_shards(tensor_parallel_shard, placement, self.context.tp_group)
+        self._gathered = [record for record in self._gathered if record[0]() is not None]
+        self._gathered.append((weakref.ref(whole), target, placement, spec))
+        return whole
+
+    def restore_gathered(self) -> None:
+        """After a checkpoint filled the whole tensors of fused parameters: cut them back into this rank's tensors."""
+        with torch.no_grad():
+            for reference, target, placement, spec in self._gathered:
+                whole = reference()
+                if whole is None:
+                    continue
+                piece = shard_of(whole, placement, self.context.tp_rank, self.context.tp_size)
+                if spec is not None:
+                    piece = sharded_state.owned_rows_of(piece, spec)
+                target.copy_(piece)
+        self._gathered = []
 
     def model_state(self) -> dict[str, Any]:
         """This rank's weights by the root's names, tensor-parallel shards as DTensors of the whole parameters."""
@@ -338,6 +375,10 @@ class HybridEngine:
             return sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
         if entry.spec.replicated:
             return value
+        if placement.fused_parts > 1:
+            rows = sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
+            tensor_parallel_shard = rows.full_tensor() if isinstance(rows, DTensor) else rows
+            return self._gathered_whole(tensor_parallel_shard, value, placement, entry.spec)
         # Mesh dims (tp, reduce): the tensor-parallel split is applied first, then the rows of that shard.
         return sharded_state.piece_of_whole(
             value, self.groups.describe_mesh, [Shard(placement.dim), Shard(0)], self.full_shapes[id(parameter)]

@@ -1,21 +1,34 @@
-"""Hugging Face ``transformers`` models that carry their own tensor-parallel plan (Llama, Qwen2, Mistral, ...).
+"""Hugging Face ``transformers`` decoders that carry their own parallel plans (Llama, Qwen2, Qwen3, Mistral).
 
-Their ``config.base_model_tp_plan`` names the column- and row-parallel projections of the base model; the policy
-applies it to the base model (``model.<base_model_prefix>``). Attention reshapes in these models use ``-1`` heads, so
-a rank with a share of the heads runs the unchanged forward.
+Tensor parallelism: their ``config.base_model_tp_plan`` names the column- and row-parallel projections of the base
+model; the policy applies it to the base model (``model.<base_model_prefix>``). Attention reshapes in these models
+use ``-1`` heads, so a rank with a share of the heads runs the unchanged forward. The LM head stays whole (their
+plan gathers its output anyway).
+
+Pipeline parallelism: their ``config.base_model_pp_plan`` says the base model is ``embed_tokens`` -> ``layers`` ->
+``norm``; a stage runs the embedding (first), its layers, and the norm and the causal LM's head (last). Each stage
+recomputes the rotary position embeddings and the causal mask for its layers, as the base model's forward does once
+for all of them; the families accepted for pipelines (``PIPELINE_MODEL_TYPES``) are those whose base forward is
+exactly that (no embedding scaling, no extra per-layer inputs).
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
+
+import torch
+from torch import Tensor, nn
 
 from lightning_colossal.parallel.plan_policy import PlanPolicy
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
+#: ``config.model_type`` of the decoders whose base forward is embed -> rotary + mask -> layers -> norm.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
 
 class HuggingFacePlanPolicy(ModelPolicy):
-    """Tensor parallelism for a ``transformers.PreTrainedModel`` from its ``config.base_model_tp_plan``."""
+    """Tensor (from ``config.base_model_tp_plan``) and pipeline parallelism for a ``transformers`` decoder."""
 
     name = "huggingface (base_model_tp_plan)"
 
@@ -27,9 +40,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         config = model.config  # type: ignore[attr-defined]
-        prefix = getattr(model, "base_model_prefix", "")
-        if not hasattr(model, prefix):
-            prefix = ""
+        base, prefix = _base_model(model)
         heads = tuple(
             (f"config.{attribute}", int(getattr(config, attribute)))
             for attribute in ("num_attention_heads", "num_key_value_heads")
@@ -38,6 +49,108 @@ class HuggingFacePlanPolicy(ModelPolicy):
         plan_policy = PlanPolicy(dict(config.base_model_tp_plan), prefix=f"{prefix}." if prefix else "", heads=heads)
         return plan_policy.parallelize(model, context)
 
+    # ---------------------------------------------------------------------------------------------- pipeline
+    def _check_pipeline(self, model: nn.Module) -> None:
+        model_type = getattr(model.config, "model_type", None)  # type: ignore[attr-defined]
+        if model_type not in PIPELINE_MODEL_TYPES:
+            raise ValueError(
+                f"Pipeline stages for Hugging Face '{model_type}' models are not built in (only for"
+                f" {', '.join(PIPELINE_MODEL_TYPES)}): use pp_size=1 (tensor and data parallelism still apply), or"
+                " pass a ModelPolicy subclass that implements layers/stage_module/prune for it."
+            )
+        base, _ = _base_model(model)
+        if base is not model and not isinstance(getattr(model, "lm_head", None), nn.Module):
+            raise ValueError(
+                f"{type(model).__name__} has no `lm_head`: built-in pipeline stages run a causal LM's head (or none,"
+                " for a bare base model). Use pp_size=1, or pass a ModelPolicy subclass for this head."
+            )
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        self._check_pipeline(model)
+        base, _ = _base_model(model)
+        return base.layers  # type: ignore[return-value]
+
+    def stage_module(
+        self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
+    ) -> nn.Module:
+        self._check_pipeline(model)
+        return DecoderStage(model, layer_indices, first, last)
+
+    def prune(self, model: nn.Module, keep_layers: set[int], first: bool, last: bool) -> None:
+        base, _ = _base_model(model)
+        for index in range(len(base.layers)):
+            if index not in keep_layers:
+                base.layers[index] = nn.Identity()
+        if not first:
+            base.embed_tokens = None
+        if not last:
+            base.norm = None
+            if base is not model:
+                model.lm_head = None
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a ``transformers`` decoder: references (never copies) the model's modules it runs.
+
+    The first stage takes token ids, the others hidden states; the last returns the logits (whole: the head is not
+    split), or the final hidden states of a base model without a head.
+    """
+
+    def __init__(self, model: nn.Module, layer_indices: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        base, _ = _base_model(model)
+        self.config = base.config
+        self.first, self.last = first, last
+        self.layer_indices = list(layer_indices)
+        self.rotary_emb = base.rotary_emb
+        if first:
+            self.embed_tokens = base.embed_tokens
+        self.layers = nn.ModuleList(base.layers[index] for index in layer_indices)
+        if last:
+            self.norm = base.norm
+            self.lm_head = model.lm_head if base is not model else nn.Identity()
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        if self.first:
+            hidden = self.embed_tokens(hidden)
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        masks = _causal_masks(self.config, hidden, position_ids)
+        layer_types = getattr(self.config, "layer_types", None)
+        for index, layer in zip(self.layer_indices, self.layers, strict=True):
+            mask = masks[layer_types[index] if layer_types else "full_attention"]
+            output = layer(
+                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
+            )
+            hidden = output[0] if isinstance(output, tuple) else output
+        if self.last:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def _causal_masks(config: Any, hidden: Tensor, position_ids: Tensor) -> dict[str, Any]:
+    """The masks the base model's forward builds for a batch without padding (``None`` where attention can use
+    ``is_causal``), by attention type."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None}
+    masks = {"full_attention": create_causal_mask(**arguments, position_ids=position_ids)}
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments, position_ids=position_ids)
+    return masks
+
+
+def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
+    """The base model (``model.<base_model_prefix>``, or ``model`` itself) and the prefix leading to it."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and hasattr(model, prefix):
+        return getattr(model, prefix), prefix
+    return model, ""
+
 
 def huggingface_policies() -> list[ModelPolicy]:
-    return [HuggingFacePlanPolicy()]
+    from lightning_colossal.parallel.bert_policy import BertPolicy
+    from lightning_colossal.parallel.gpt2_policy import GPT2Policy
+
+    # Model-specific policies first: GPT-2 and BERT carry no tensor-parallel plan of their own.
+    return [GPT2Policy(), BertPolicy(), HuggingFacePlanPolicy()]

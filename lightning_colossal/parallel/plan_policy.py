@@ -15,7 +15,13 @@ import warnings
 
 from torch import nn
 
-from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, column_parallel, row_parallel
+from lightning_colossal.parallel.policy import (
+    ModelPolicy,
+    ParallelPlan,
+    column_parallel,
+    refuse_sequence_parallel,
+    row_parallel,
+)
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
 SPLIT_STYLES = ("colwise", "rowwise")
@@ -47,11 +53,7 @@ class PlanPolicy(ModelPolicy):
         return True  # applies to the module it is given (the LightningModule for a user plan)
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
-        if context.split_gather or context.sp_size > 1:
-            raise ValueError(
-                "A tensor-parallel plan does not know where the model's sequence dimension flows: sequence"
-                " parallelism needs a built-in policy (the demo GPT). Drop sequence_parallel/sp_size."
-            )
+        refuse_sequence_parallel(context, "A tensor-parallel plan")
         for what, count in self.heads:
             if count % context.tp_size != 0:
                 raise ValueError(

@@ -74,8 +74,9 @@ class ModelPolicy:
 
     def _no_pipeline(self) -> ValueError:
         return ValueError(
-            f"The {self.name} policy cannot cut the model into pipeline stages (only the demo GPT's policy can so far):"
-            " use pp_size=1 with this model, or pass a ModelPolicy subclass that implements layers/stage_module/prune."
+            f"The {self.name} policy cannot cut the model into pipeline stages: use pp_size=1 with this model (tensor"
+            " and data parallelism still apply), or pass a ModelPolicy subclass that implements"
+            " layers/stage_module/prune."
         )
 
     def wrap_layers_for_recomputation(self, model: nn.Module) -> None:
@@ -93,21 +94,22 @@ def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def column_parallel(
-    linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False
+    linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False, fused_parts: int = 1
 ) -> nn.Module:
-    """Replace a Linear (or ``[in, out]`` Conv1D when ``transposed``) by its column-parallel shard."""
+    """Replace a Linear (or ``[in, out]`` Conv1D when ``transposed``) by its column-parallel shard.
+
+    ``fused_parts`` > 1: the output features are that many equal blocks (GPT-2's fused q, k, v), each split on its
+    own, so every rank holds its share of each block (its heads' q, k and v), in block order.
+    """
     dim = 1 if transposed else 0
-    placement = TensorParallelPlacement(dim)
+    placement = TensorParallelPlacement(dim, fused_parts)
+    bias_placement = TensorParallelPlacement(0, fused_parts)
     weight = _shard_clone(linear.weight, placement, context)
-    bias = (
-        None
-        if getattr(linear, "bias", None) is None
-        else _shard_clone(linear.bias, TensorParallelPlacement(0), context)
-    )
+    bias = None if getattr(linear, "bias", None) is None else _shard_clone(linear.bias, bias_placement, context)
     layer = ColumnParallelLinear(weight, bias, context, transposed=transposed)
     _keep_frozen(layer, linear)
     plan.record(layer.weight, placement)
-    plan.record(layer.bias, TensorParallelPlacement(0))
+    plan.record(layer.bias, bias_placement)
     return layer
 
 
@@ -144,6 +146,15 @@ def norm_parameters(model: nn.Module) -> list[nn.Parameter]:
         if isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
             found.extend(parameter for parameter in module.parameters(recurse=False))
     return found
+
+
+def refuse_sequence_parallel(context: ParallelContext, what: str) -> None:
+    """Raise when sequence parallelism is on for a model whose policy does not install it."""
+    if context.split_gather or context.sp_size > 1:
+        raise ValueError(
+            f"{what} does not install sequence parallelism (it would need to know where the model's sequence"
+            " dimension flows through every layer; only the demo GPT's policy does): drop sequence_parallel/sp_size."
+        )
 
 
 def check_divisible(what: str, count: int, parts: int, fix: str) -> None:

@@ -313,7 +313,9 @@ class HybridParallelStrategy(ColossalStrategy):
         return set(self.engine.whole_model_keys)
 
     def _on_model_state_loaded(self) -> None:
-        zero = self.engine.zero if self.engine is not None else None
+        assert self.engine is not None
+        self.engine.restore_gathered()
+        zero = self.engine.zero
         if zero is None:
             return
         if zero.masters_alias_parameters:

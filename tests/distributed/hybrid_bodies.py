@@ -40,8 +40,40 @@ def gpt_config(**overrides: Any) -> Any:
 
 
 def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
-    """The demo GPT, or a tiny Hugging Face Llama built from a config (no download)."""
+    """The demo GPT, or a tiny Hugging Face Llama, GPT-2 or BERT built from a config (no download)."""
     torch.manual_seed(MODEL_SEED)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        gpt2_config = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQUENCE,
+            n_embd=32,
+            n_layer=overrides.get("num_layers", 2),
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+        )
+        return GPT2LMHeadModel(gpt2_config)
+    if kind == "bert":
+        from transformers import BertConfig, BertForMaskedLM
+
+        bert_config = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=SEQUENCE,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="eager",
+        )
+        return BertForMaskedLM(bert_config)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,11 +81,11 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
             vocab_size=VOCAB,
             hidden_size=32,
             intermediate_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=overrides.get("num_layers", 2),
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=SEQUENCE,
-            tie_word_embeddings=False,
+            tie_word_embeddings=overrides.get("tie_weights", False),
             attn_implementation="eager",
         )
         return LlamaForCausalLM(config)
@@ -108,7 +140,7 @@ class TinyGPTModule(LightningModule):
     def validation_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         inputs, targets = batch
         assert self.model is not None
-        return language_model_loss(self.model(inputs), targets)
+        return language_model_loss(logits_of(self.model, inputs), targets)
 
     def on_validation_batch_end(self, outputs: Any, batch: Any, batch_index: int, dataloader_index: int = 0) -> None:
         # Pipelines return the loss of the whole batch to every rank; other layouts their own loss.
@@ -192,13 +224,18 @@ def merged_weights(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_body(
-    strategy_kwargs: dict[str, Any], epochs: int, batch_size: int, save_to: str | None, resume_from: str | None
+    strategy_kwargs: dict[str, Any],
+    epochs: int,
+    batch_size: int,
+    save_to: str | None,
+    resume_from: str | None,
+    kind: str = "gpt",
 ) -> dict[str, Any]:
     """Train to the end of epoch ``epochs`` (resuming from ``resume_from``), then save to ``save_to``."""
     from lightning_colossal import HybridParallelStrategy
 
     seed_everything(MODEL_SEED, verbose=False)
-    module = TinyGPTModule(batch_size=batch_size)
+    module = TinyGPTModule(batch_size=batch_size, kind=kind)
     strategy = HybridParallelStrategy(**strategy_kwargs)
     trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_epochs=epochs)
     trainer.fit(module, ckpt_path=resume_from)

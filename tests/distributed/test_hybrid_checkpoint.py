@@ -44,3 +44,20 @@ def test_tp2_dp2_checkpoint_resumes_at_pp2_dp2_and_one_rank(rank_pool_4, rank_po
     # One rank reading 8 samples per step sees each step's global batch (the union of both data-parallel ranks').
     single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, timeout=300)
     _check_continuation(single, reference)
+
+
+def test_gpt2_fused_attention_checkpoint_resumes_across_layouts(rank_pool_4, rank_pool_1, tmp_path):
+    """GPT-2's fused q/k/v shards (saved whole, [Note: fused shards are saved whole]) come back into tp2 shards, with
+    and without ZeRO, and into one rank."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    saved = str(tmp_path / "gpt2_tp2_dp2.ckpt")
+    layout = {"tp_size": 2, "zero_stage": 1}
+    rank_pool_4.run(bodies.checkpoint_body, layout, 1, 4, saved, None, "gpt2", timeout=300)
+    reference = bodies.oracle(2, 2 * STEPS_PER_EPOCH, kind="gpt2")
+    for resumed_layout in (layout, {"tp_size": 2}):
+        resumed = rank_pool_4.run(bodies.checkpoint_body, resumed_layout, 2, 4, None, saved, "gpt2", timeout=300)
+        _check_continuation(resumed, reference)
+    single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, "gpt2", timeout=300)
+    _check_continuation(single, reference)

@@ -82,6 +82,41 @@ def test_huggingface_llama_tp2_from_its_own_plan(rank_pool_2):
     _assert_matches(results, bodies.oracle(1, STEPS, kind="llama"))
 
 
+HUGGING_FACE_CASES_2 = {
+    "gpt2_tp2": ("gpt2", {"tp_size": 2}, {}),
+    "bert_tp2": ("bert", {"tp_size": 2}, {}),
+    "llama_pp2": ("llama", {"pp_size": 2, "num_microbatches": 2}, {}),
+    "llama_tied_pp2_interleaved": (
+        "llama",
+        {"pp_size": 2, "num_microbatches": 2, "pp_schedule": "interleaved", "num_model_chunks": 2},
+        {"num_layers": 4, "tie_weights": True},
+    ),
+    "gpt2_pp2_zbv": (
+        "gpt2",
+        {"pp_size": 2, "num_microbatches": 2, "pp_schedule": "zbv", "num_model_chunks": 2},
+        {"num_layers": 4},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HUGGING_FACE_CASES_2))
+def test_huggingface_models_match_oracle(rank_pool_2, case):
+    """GPT-2 (fused Conv1D q/k/v) and BERT by their built-in policies, Llama and GPT-2 cut into pipeline stages."""
+    pytest.importorskip("transformers")
+    kind, strategy_kwargs, config = HUGGING_FACE_CASES_2[case]
+    module_kwargs = {"kind": kind, **config}
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, module_kwargs, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind=kind, **config))
+
+
+def test_huggingface_llama_tp2_pp2(rank_pool_4):
+    """Tensor parallelism from the model's own plan inside pipeline stages (the head whole on the last stage)."""
+    pytest.importorskip("transformers")
+    strategy_kwargs = {"tp_size": 2, "pp_size": 2, "num_microbatches": 2}
+    results = rank_pool_4.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, {"kind": "llama"}, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind="llama"))
+
+
 def test_user_plan_on_the_demo_gpt(rank_pool_2):
     """A user plan (module patterns relative to the LightningModule) splits the named linears and stays exact."""
     plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
