@@ -235,12 +235,9 @@ class HybridParallelStrategy(ColossalStrategy):
             )
         runner = self.engine.runner
         assert runner is not None and self.engine.groups.pp_group is not None
-        mean = broadcast_from_last_stage(
-            None if loss is None else loss * trainer.accumulate_grad_batches,
-            runner.holds_last,
-            self.engine.groups.pp_group,
-            self.root_device,
-        )
+        # The batch's mean loss, as `training_step` returns it under pp_size=1 (Lightning divides it by
+        # accumulate_grad_batches for its closure result, here as there).
+        mean = broadcast_from_last_stage(loss, runner.holds_last, self.engine.groups.pp_group, self.root_device)
         # Lightning zeroes gradients between `training_step` and `backward`; the schedule's backward already ran, so its
         # gradients are set aside here and put back when Lightning calls `backward` (see there).
         self._stashed_gradients = [

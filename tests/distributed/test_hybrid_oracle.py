@@ -124,6 +124,25 @@ def test_user_plan_on_the_demo_gpt(rank_pool_2):
     _assert_matches(results, bodies.oracle(1, STEPS))
 
 
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [{"tp_size": 2}, {"pp_size": 2, "num_microbatches": 2}],
+    ids=["tp2", "pp2_1f1b"],
+)
+def test_gradient_accumulation_matches_oracle(rank_pool_2, strategy_kwargs):
+    """Two batches per optimizer step: the pipeline's own backward accumulates like Lightning's, and the loss it
+    reports per batch is what `training_step` reports without a pipeline (the batch mean / accumulate_grad_batches)."""
+    accumulate = 2
+    results = rank_pool_2.run(
+        bodies.hybrid_train_body, strategy_kwargs, STEPS, {"accumulate_grad_batches": accumulate}, timeout=300
+    )
+    reference = bodies.oracle(1, STEPS, accumulate=accumulate)
+    for result in results:
+        # Each step's reported batch losses sum to the step's mean loss.
+        result["losses"] = torch.tensor(result["losses"]).view(STEPS, accumulate).sum(dim=1).tolist()
+    _assert_matches(results, reference)
+
+
 CLIP_CASES = {
     "tp2_dp2": ({"tp_size": 2}, 2),
     "tp2_dp2_zero1": ({"tp_size": 2, "zero_stage": 1}, 2),
