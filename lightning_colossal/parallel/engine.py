@@ -325,6 +325,18 @@ class HybridEngine:
             ]
         return torch.stack(losses).mean()
 
+    def pipeline_predict(self, inputs: Tensor | None, num_microbatches: int) -> Tensor | None:
+        """Forward-only schedule; the whole batch's last-stage outputs (logits gathered over the vocabulary
+        shards) on the rank holding the last stage, ``None`` elsewhere."""
+        assert self.runner is not None
+        result = self.runner.evaluate(inputs, num_microbatches, self.stage_holders)
+        if not self.runner.holds_last:
+            return None
+        outputs = torch.cat(result.outputs)
+        if self._stage_logits_sharded:
+            outputs = collectives.gather_along(outputs.contiguous(), outputs.dim() - 1, self.context.tp_group)
+        return outputs
+
     # ---------------------------------------------------------------------------------------------- checkpoints
     def whole_tensor_of(self, local: Tensor, key: int) -> Tensor:
         """``local`` (shaped like this rank's shard of parameter ``key``) as a piece of the whole tensor."""

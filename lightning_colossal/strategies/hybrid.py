@@ -30,7 +30,7 @@ from lightning_colossal.config import (
     SequenceParallelMode,
     StartMethod,
 )
-from lightning_colossal.distributed import ParallelDims
+from lightning_colossal.distributed import ParallelDims, collectives
 from lightning_colossal.parallel import HybridEngine, ModelPolicy, build_groups, find_policy
 from lightning_colossal.parallel.pipeline import broadcast_from_last_stage, microbatch_count
 from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
@@ -193,20 +193,17 @@ class HybridParallelStrategy(ColossalStrategy):
             return _local_loss(super().test_step(*args, **kwargs))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipelined:
-            raise NotImplementedError(
-                "predict with pp_size > 1 is not supported yet: predict with pp_size=1 (tensor parallelism and data"
-                " parallelism work), or consolidate the checkpoint and predict with `colossal_ddp`."
-            )
         args = self._with_split_batch(args)
+        if self.pipelined:
+            return self._pipeline_prediction_step(args[0])
         with self._step_context():
             return super().predict_step(*args, **kwargs)
 
-    def _pipeline_inputs(self, batch: Any) -> tuple[Tensor, Any]:
-        if isinstance(batch, (tuple, list)) and len(batch) == 2:
-            return batch[0], batch[1]
-        if isinstance(batch, Mapping) and "input_ids" in batch and "labels" in batch:
-            return batch["input_ids"], batch["labels"]
+    def _pipeline_inputs(self, batch: Any, targets_required: bool = True) -> tuple[Tensor, Any]:
+        if isinstance(batch, (tuple, list)) and (len(batch) == 2 or (batch and not targets_required)):
+            return batch[0], batch[1] if len(batch) > 1 else None
+        if isinstance(batch, Mapping) and "input_ids" in batch and ("labels" in batch or not targets_required):
+            return batch["input_ids"], batch.get("labels")
         raise TypeError(
             "With pp_size > 1 a batch must be an (inputs, targets) pair or a dict with 'input_ids' and 'labels': the"
             " first stage reads the inputs and the last stage passes the targets to `pipeline_loss`."
@@ -261,6 +258,24 @@ class HybridParallelStrategy(ColossalStrategy):
                 inputs if runner.holds_first else None, targets, num_microbatches, self.lightning_module.pipeline_loss
             )
         return broadcast_from_last_stage(loss, runner.holds_last, self.engine.groups.pp_group, self.root_device)
+
+    def _pipeline_prediction_step(self, batch: Any) -> Any:
+        """Forward-only schedule; the last stage's outputs (or ``pipeline_predict`` of them) reach every rank."""
+        assert self.engine is not None and self.lightning_module is not None
+        runner = self.engine.runner
+        assert runner is not None and self.engine.groups.pp_group is not None
+        inputs = batch if isinstance(batch, Tensor) else self._pipeline_inputs(batch, targets_required=False)[0]
+        config = self.hybrid_config
+        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        with self.precision_plugin.predict_step_context():
+            outputs = self.engine.pipeline_predict(inputs if runner.holds_first else None, num_microbatches)
+        prediction = None
+        if runner.holds_last:
+            assert outputs is not None
+            hook = getattr(self.lightning_module, "pipeline_predict", None)
+            prediction = hook(outputs, batch) if callable(hook) else outputs
+        last_holder = self.engine.stage_holders[-1]
+        return collectives.broadcast_object(prediction, source_rank=last_holder, group=self.engine.groups.pp_group)
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipelined:

@@ -146,6 +146,11 @@ class TinyGPTModule(LightningModule):
         # Pipelines return the loss of the whole batch to every rank; other layouts their own loss.
         self.log("val_loss", outputs, sync_dist=True)
 
+    def predict_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        # Pipelines run a forward-only schedule instead and return the last stage's logits.
+        assert self.model is not None
+        return logits_of(self.model, batch[0])
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
 
@@ -267,3 +272,25 @@ def validation_oracle(batch_size: int = 4, num_batches: int = 2) -> float:
             for start in range(0, batch_size * num_batches, batch_size)
         ]
     return float(torch.stack(losses).mean())
+
+
+def predict_body(strategy_kwargs: dict[str, Any], kind: str = "gpt") -> list[torch.Tensor]:
+    """``trainer.predict`` of the untrained model on two batches; returns each batch's logits."""
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = TinyGPTModule(kind=kind)
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, limit_predict_batches=2)
+    loader = DataLoader(token_dataset(), batch_size=module.batch_size)
+    return [prediction.detach().float() for prediction in trainer.predict(module, loader)]
+
+
+def predict_oracle(kind: str = "gpt", batch_size: int = 4, num_batches: int = 2) -> list[torch.Tensor]:
+    model = build_model(kind)
+    inputs, _ = token_dataset().tensors
+    with torch.no_grad():
+        return [
+            logits_of(model, inputs[start : start + batch_size])
+            for start in range(0, batch_size * num_batches, batch_size)
+        ]

@@ -75,6 +75,33 @@ def test_validation_matches_oracle(rank_pool_2, strategy_kwargs):
     assert results == pytest.approx([expected] * 2, abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [
+        {"pp_size": 2, "num_microbatches": 2},
+        {"pp_size": 2, "num_microbatches": 2, "pp_schedule": "zbv", "num_model_chunks": 2},
+    ],
+    ids=["pp2_1f1b", "pp2_zbv"],
+)
+def test_pipeline_predict_matches_oracle(rank_pool_2, strategy_kwargs):
+    """Forward-only schedules give every rank the single-process logits of each predicted batch."""
+    results = rank_pool_2.run(bodies.predict_body, strategy_kwargs, timeout=300)
+    expected = bodies.predict_oracle()
+    for predictions in results:
+        assert len(predictions) == len(expected)
+        for got, want in zip(predictions, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_pipeline_predict_gathers_vocabulary_shards(rank_pool_4):
+    """Under tp2 x pp2 the last stage's vocabulary slices are gathered into whole logits."""
+    results = rank_pool_4.run(bodies.predict_body, {"tp_size": 2, "pp_size": 2, "num_microbatches": 2}, timeout=300)
+    expected = bodies.predict_oracle()
+    for predictions in results:
+        for got, want in zip(predictions, expected, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_huggingface_llama_tp2_from_its_own_plan(rank_pool_2):
     """A tiny Llama (from a config) is split by its config.base_model_tp_plan and trains like one process."""
     pytest.importorskip("transformers")
