@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_colossal.parallel.gpt_policy import GPTPolicy
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
@@ -39,6 +40,14 @@ def find_policy(
     Raises:
         TypeError: no known model inside ``root`` and no policy given.
     """
+    if any(isinstance(parameter, DTensor) for parameter in root.parameters()):
+        raise TypeError(
+            "The model already has DTensor parameters (tensor parallelism applied in `configure_model`, e.g. with"
+            " `parallelize_module`): colossal_hybrid splits the model itself and does not take over a user's DTensor"
+            " layout yet. Build the plain model in `configure_model` and pass the split as"
+            " `policy={'blocks.*.attn.qkv': 'colwise', 'blocks.*.attn.proj': 'rowwise', ...}` (or a ModelPolicy), or"
+            " train your DTensor model with Lightning's ModelParallelStrategy."
+        )
     if isinstance(policy, dict):
         from lightning_colossal.parallel.plan_policy import PlanPolicy
 

@@ -74,7 +74,8 @@ class ModelPolicy:
 
     def _no_pipeline(self) -> ValueError:
         return ValueError(
-            f"The {self.name} policy cannot cut the model into pipeline stages: use pp_size=1 with this model (tensor"
+            f"The {self.name} policy does not know the model's layer stack, which pipeline stages (pp_size > 1) and"
+            " activation_checkpointing need: use pp_size=1 and activation_checkpointing=False with this model (tensor"
             " and data parallelism still apply), or pass a ModelPolicy subclass that implements"
             " layers/stage_module/prune."
         )

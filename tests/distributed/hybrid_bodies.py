@@ -294,3 +294,30 @@ def predict_oracle(kind: str = "gpt", batch_size: int = 4, num_batches: int = 2)
             logits_of(model, inputs[start : start + batch_size])
             for start in range(0, batch_size * num_batches, batch_size)
         ]
+
+
+class UserTensorParallelModule(TinyGPTModule):
+    """Applies torch's own tensor parallelism in configure_model (DTensor parameters)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        assert self.model is not None
+        for block in self.model.blocks:
+            parallelize_module(block, self.device_mesh["tp"], {"mlp.fc": ColwiseParallel()})
+
+
+def user_tensor_parallel_error_body() -> str:
+    """fit with DTensor parameters from configure_model; returns the error message the strategy raises."""
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    trainer = quiet_trainer(
+        devices=torch.distributed.get_world_size(), strategy=HybridParallelStrategy(tp_size=2), max_steps=1
+    )
+    try:
+        trainer.fit(UserTensorParallelModule())
+    except TypeError as error:
+        return str(error)
+    return ""

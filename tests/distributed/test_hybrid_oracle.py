@@ -144,6 +144,11 @@ def test_huggingface_llama_tp2_pp2(rank_pool_4):
     _assert_matches(results, bodies.oracle(1, STEPS, kind="llama"))
 
 
+def test_user_dtensor_parallelism_is_refused_with_the_fix(rank_pool_2):
+    messages = rank_pool_2.run(bodies.user_tensor_parallel_error_body, timeout=300)
+    assert all("policy=" in message and "DTensor" in message for message in messages), messages
+
+
 def test_user_plan_on_the_demo_gpt(rank_pool_2):
     """A user plan (module patterns relative to the LightningModule) splits the named linears and stays exact."""
     plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
