@@ -76,4 +76,33 @@ def build_device_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
     kept so code can always ask for ``mesh["dp"]`` and friends.
     """
     sizes = dims.axis_sizes()
+    forget_dtensor_plans()
     return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes.keys()))
+
+
+def forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribution plans.
+
+    ``DeviceMesh`` equality ignores process groups, and the cached plans hold the mesh they were made with. A second
+    run in the same process (a notebook, the test pool) builds an equal-looking mesh over new groups; without this,
+    DTensor ops (the user's own tensor parallelism on ``self.device_mesh``) would reuse a plan naming the previous
+    run's destroyed groups. Private torch caches, so each is cleared only if this torch has it.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cached in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+    ):
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    clear_planner = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planner is not None:
+        clear_planner()
+    # The C++ dispatch fast path keeps a cache of its own (torch >= 2.9).
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()

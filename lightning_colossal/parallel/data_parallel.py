@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.parallel.tensor_parallel import local_view
 
 
 class GradientAverager:
@@ -43,8 +44,9 @@ class GradientAverager:
         by_dtype: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         for parameter in self.parameters:
-            gradient = parameter.grad
-            assert gradient is not None
+            assert parameter.grad is not None
+            # DTensor parameters (the user's own tensor parallelism): average each rank's piece.
+            gradient = local_view(parameter.grad)
             key = (gradient.dtype, gradient.device)
             current = by_dtype.setdefault(key, [])
             if current and sizes[key] + gradient.numel() > self.bucket_numel:

@@ -51,6 +51,8 @@ from lightning_colossal.parallel.tensor_parallel import (
     TensorParallelPlacement,
     describe_shard,
     full_from_shards,
+    local_view,
+    piece_like,
     shard_of,
     vocab_sharded,
 )
@@ -96,6 +98,12 @@ class HybridEngine:
             key: _shape_of(root, names[0]) for key, names in self.names_of.items()
         }
         self.plan: ParallelPlan = policy.parallelize(model, self.context)
+        #: DTensor parameters the user's own tensor parallelism shards (each rank holds a different piece).
+        self.user_sharded: set[int] = {
+            id(parameter)
+            for parameter in root.parameters()
+            if isinstance(parameter, DTensor) and any(placement.is_shard() for placement in parameter.placements)
+        }
         self._rekey_after_replacement()
         self._gradient_hooks = [
             parameter.register_hook(self._sum_over_tensor_parallel) for parameter in self.plan.sequence_partial
@@ -125,7 +133,14 @@ class HybridEngine:
         # Every rank must start from the same whole weights before taking its shard (as DDP broadcasts at wrap).
         with torch.no_grad():
             for tensor in [*self.root.parameters(), *self.root.buffers()]:
-                if not tensor.is_meta:
+                if tensor.is_meta:
+                    continue
+                if isinstance(tensor, DTensor):
+                    # Already split by the user's own tensor parallelism: the pieces differ over tp, so only the
+                    # data-parallel copies of each piece are made equal.
+                    if self.groups.reduce_group is not None:  # None: no data-parallel copies
+                        collectives.broadcast_tensor(tensor.to_local(), source_rank=0, group=self.groups.reduce_group)
+                else:
                     collectives.broadcast_tensor(tensor.data, source_rank=0)
 
     def _rekey_after_replacement(self) -> None:
@@ -181,6 +196,12 @@ class HybridEngine:
             bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
             self.averager = GradientAverager(in_optimizer, groups.reduce_group, bucket_numel)
             return
+        if any(isinstance(parameter, DTensor) for parameter in self.root.parameters()):
+            raise ValueError(
+                f"zero_stage={config.zero_stage} with DTensor parameters (tensor parallelism your configure_model"
+                " applied) is not supported: ZeRO shards plain tensors. Use zero_stage=0, or let the strategy split the"
+                " model (a built-in policy or policy={'pattern': 'colwise' | 'rowwise'}) so ZeRO can shard it."
+            )
         zero_config = ZeroConfig(stage=config.zero_stage, bucket_size_mb=config.bucket_size_mb)
         self.zero = ZeroEngine(
             self.root, optimizer, zero_config, groups.reduce_mesh, self.device, describe=self._describe_master
@@ -225,7 +246,8 @@ class HybridEngine:
     def _counted_here(self, parameter_key: int, replicated_over_reduce: bool) -> bool:
         """Whether this rank adds a gradient's square to the global norm (each element counted exactly once)."""
         groups = self.groups
-        if parameter_key not in self.plan.placements and groups.tp_rank != 0:
+        split = parameter_key in self.plan.placements or parameter_key in self.user_sharded
+        if not split and groups.tp_rank != 0:
             return False  # identical on every tensor-parallel rank
         if replicated_over_reduce and groups.reduce_rank != 0:
             return False  # identical on every data-parallel rank
@@ -251,9 +273,11 @@ class HybridEngine:
             ]
             return all_gradients, counted
         assert self.averager is not None
-        all_gradients = [parameter.grad for parameter in self.averager.parameters if parameter.grad is not None]
+        all_gradients = [
+            local_view(parameter.grad) for parameter in self.averager.parameters if parameter.grad is not None
+        ]
         counted = [
-            parameter.grad
+            local_view(parameter.grad)
             for parameter in self.averager.parameters
             if parameter.grad is not None and self._counted_here(id(parameter), replicated_over_reduce=True)
         ]
@@ -413,7 +437,10 @@ class HybridEngine:
                 placement = self.plan.placements.get(_key_of(self.root, name))
                 if placement is not None:
                     source = shard_of(source, placement, self.context.tp_rank, self.context.tp_size)
-                target.copy_(source)
+                if isinstance(target, DTensor):
+                    target.to_local().copy_(piece_like(source, target).to_local())
+                else:
+                    target.copy_(source)
         if self.zero is not None:
             self.zero.parameters_to_masters()
 
@@ -425,6 +452,11 @@ class HybridEngine:
             except AttributeError:
                 continue
             placement = self.plan.placements.get(id(parameter))
+            if isinstance(parameter, DTensor):
+                for key, value in list(entries.items()):
+                    if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == parameter.shape:
+                        entries[key] = piece_like(value, parameter)
+                continue
             if placement is None:
                 continue
             for key, value in list(entries.items()):

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.parallel.gpt_policy import GPTPolicy
-from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
+from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, refuse_sequence_parallel
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
 
@@ -19,6 +19,30 @@ class DataParallelOnlyPolicy(ModelPolicy):
         return True
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        return ParallelPlan()
+
+
+class UserTensorParallelPolicy(ModelPolicy):
+    """The user's ``configure_model`` split the model itself (DTensor parameters, e.g. torch's ``parallelize_module``
+    over ``self.device_mesh["tp"]``): nothing more is split; the engine averages, clips and checkpoints the DTensors
+    as they are."""
+
+    name = "user DTensor tensor parallelism"
+
+    def accepts(self, module: nn.Module) -> bool:
+        return any(isinstance(parameter, DTensor) for parameter in module.parameters())
+
+    def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        refuse_sequence_parallel(context, "Tensor parallelism applied in configure_model")
+        for name, parameter in model.named_parameters():
+            if isinstance(parameter, DTensor) and (
+                parameter.device_mesh.ndim != 1 or parameter.device_mesh.size() != context.tp_size
+            ):
+                raise ValueError(
+                    f"Parameter {name!r} is a DTensor over a mesh of shape {tuple(parameter.device_mesh.shape)}, not the"
+                    f" tensor-parallel axis (tp_size = {context.tp_size}): apply your tensor parallelism over"
+                    " `self.device_mesh['tp']` only; the strategy owns the other axes."
+                )
         return ParallelPlan()
 
 
@@ -40,14 +64,13 @@ def find_policy(
     Raises:
         TypeError: no known model inside ``root`` and no policy given.
     """
-    if any(isinstance(parameter, DTensor) for parameter in root.parameters()):
-        raise TypeError(
-            "The model already has DTensor parameters (tensor parallelism applied in `configure_model`, e.g. with"
-            " `parallelize_module`): colossal_hybrid splits the model itself and does not take over a user's DTensor"
-            " layout yet. Build the plain model in `configure_model` and pass the split as"
-            " `policy={'blocks.*.attn.qkv': 'colwise', 'blocks.*.attn.proj': 'rowwise', ...}` (or a ModelPolicy), or"
-            " train your DTensor model with Lightning's ModelParallelStrategy."
-        )
+    if UserTensorParallelPolicy().accepts(root):
+        if policy is not None:
+            raise TypeError(
+                "The model already has DTensor parameters (tensor parallelism applied in `configure_model`) and a"
+                " `policy` was given too: split the model one way, either in configure_model or with the policy."
+            )
+        return root, UserTensorParallelPolicy()
     if isinstance(policy, dict):
         from lightning_colossal.parallel.plan_policy import PlanPolicy
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_colossal.distributed import collectives, differentiable
 from lightning_colossal.distributed.sharded_state import piece_of_whole
@@ -213,6 +213,25 @@ class VocabParallelHead(nn.Module):
         if self.local_output or self.context.tp_size == 1:
             return logits
         return vocab_sharded(logits, self.context)
+
+
+def local_view(tensor: Tensor) -> Tensor:
+    """This rank's tensor: the local piece of a ``DTensor`` (the user's own tensor parallelism), else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def piece_like(whole: Tensor, like: DTensor) -> DTensor:
+    """This rank's piece of a whole tensor, laid out as ``like`` (a ``DTensor`` parameter or state); no communication."""
+    local = whole
+    coordinate = like.device_mesh.get_coordinate()
+    assert coordinate is not None, "every rank of the run is in the mesh"
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            local = local.chunk(like.device_mesh.size(mesh_dim), dim=placement.dim)[coordinate[mesh_dim]]
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"Cannot load a whole tensor into a {placement} placement; save it with Shard/Replicate.")
+    local = local.to(device=like.device, dtype=like.dtype).contiguous()
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=whole.shape, stride=whole.stride())
 
 
 def _as_parameter(tensor: Tensor) -> nn.Parameter:

@@ -360,8 +360,15 @@ class HybridParallelStrategy(ColossalStrategy):
         if engine.zero is not None:
             engine.zero.load_optimizer_state_by_name(state)
             return
+        parameters = dict(self.lightning_module.named_parameters())
+        # Plain parameters take plain state; DTensor parameters (the user's own tensor parallelism) keep DTensor state.
         local = {
-            name: {key: value.to_local() if isinstance(value, DTensor) else value for key, value in entries.items()}
+            name: {
+                key: value.to_local()
+                if isinstance(value, DTensor) and not isinstance(parameters.get(name), DTensor)
+                else value
+                for key, value in entries.items()
+            }
             for name, entries in state["state"].items()
         }
         set_optimizer_state_dict(

@@ -235,12 +235,14 @@ def checkpoint_body(
     save_to: str | None,
     resume_from: str | None,
     kind: str = "gpt",
+    user_tensor_parallel: bool = False,
 ) -> dict[str, Any]:
     """Train to the end of epoch ``epochs`` (resuming from ``resume_from``), then save to ``save_to``."""
     from lightning_colossal import HybridParallelStrategy
 
     seed_everything(MODEL_SEED, verbose=False)
-    module = TinyGPTModule(batch_size=batch_size, kind=kind)
+    module_class = UserTensorParallelModule if user_tensor_parallel else TinyGPTModule
+    module = module_class(batch_size=batch_size, kind=kind)
     strategy = HybridParallelStrategy(**strategy_kwargs)
     trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_epochs=epochs)
     trainer.fit(module, ckpt_path=resume_from)
@@ -297,27 +299,35 @@ def predict_oracle(kind: str = "gpt", batch_size: int = 4, num_batches: int = 2)
 
 
 class UserTensorParallelModule(TinyGPTModule):
-    """Applies torch's own tensor parallelism in configure_model (DTensor parameters)."""
+    """Applies torch's own tensor parallelism in configure_model: DTensor parameters over the strategy's tp mesh."""
 
     def configure_model(self) -> None:
+        if self.model is not None:
+            return
         super().configure_model()
-        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         assert self.model is not None
+        plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel()}
+        plan.update({"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
         for block in self.model.blocks:
-            parallelize_module(block, self.device_mesh["tp"], {"mlp.fc": ColwiseParallel()})
+            parallelize_module(block, self.device_mesh["tp"], plan)
 
 
-def user_tensor_parallel_error_body() -> str:
-    """fit with DTensor parameters from configure_model; returns the error message the strategy raises."""
+def user_tensor_parallel_body(
+    strategy_kwargs: dict[str, Any], steps: int, trainer_kwargs: dict[str, Any] | None = None
+) -> dict[str, Any] | str:
+    """Train the user-parallelised GPT; returns weights and losses, or the message of a ValueError/TypeError."""
     from lightning_colossal import HybridParallelStrategy
 
     seed_everything(MODEL_SEED, verbose=False)
+    module = UserTensorParallelModule()
+    strategy = HybridParallelStrategy(**strategy_kwargs)
     trainer = quiet_trainer(
-        devices=torch.distributed.get_world_size(), strategy=HybridParallelStrategy(tp_size=2), max_steps=1
+        devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps, **(trainer_kwargs or {})
     )
     try:
-        trainer.fit(UserTensorParallelModule())
-    except TypeError as error:
+        trainer.fit(module)
+    except (TypeError, ValueError) as error:
         return str(error)
-    return ""
+    return {"weights": full_weights(module, strategy), "losses": module.step_losses}

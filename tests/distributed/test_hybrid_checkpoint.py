@@ -61,3 +61,18 @@ def test_gpt2_fused_attention_checkpoint_resumes_across_layouts(rank_pool_4, ran
         _check_continuation(resumed, reference)
     single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, "gpt2", timeout=300)
     _check_continuation(single, reference)
+
+
+def test_user_dtensor_checkpoint_resumes_under_the_built_in_policy_and_one_rank(rank_pool_4, rank_pool_1, tmp_path):
+    """A checkpoint of a model the user split with DTensor styles is the same portable format: it resumes under the
+    strategy's own split, under the user's split again, and at one rank."""
+    saved = str(tmp_path / "user_tp2_dp2.ckpt")
+    rank_pool_4.run(bodies.checkpoint_body, {"tp_size": 2}, 1, 4, saved, None, "gpt", True, timeout=300)
+    reference = bodies.oracle(2, 2 * STEPS_PER_EPOCH)
+    for user_tensor_parallel in (False, True):
+        resumed = rank_pool_4.run(
+            bodies.checkpoint_body, {"tp_size": 2}, 2, 4, None, saved, "gpt", user_tensor_parallel, timeout=300
+        )
+        _check_continuation(resumed, reference)
+    single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, timeout=300)
+    _check_continuation(single, reference)

@@ -144,9 +144,26 @@ def test_huggingface_llama_tp2_pp2(rank_pool_4):
     _assert_matches(results, bodies.oracle(1, STEPS, kind="llama"))
 
 
-def test_user_dtensor_parallelism_is_refused_with_the_fix(rank_pool_2):
-    messages = rank_pool_2.run(bodies.user_tensor_parallel_error_body, timeout=300)
-    assert all("policy=" in message and "DTensor" in message for message in messages), messages
+def test_user_dtensor_tensor_parallelism_twice_in_one_process(rank_pool_2):
+    """configure_model applies torch's parallelize_module over self.device_mesh['tp']; the strategy keeps that split
+    and matches the oracle. The second fit in the same processes must not reuse DTensor plans that name the first
+    fit's destroyed process groups (DeviceMesh equality ignores groups)."""
+    for _ in range(2):
+        results = rank_pool_2.run(bodies.user_tensor_parallel_body, {"tp_size": 2}, STEPS, timeout=300)
+        _assert_matches(results, bodies.oracle(1, STEPS))
+
+
+def test_user_dtensor_tensor_parallelism_with_data_parallel_clipping(rank_pool_4):
+    """DTensor pieces averaged over dp and clipped by the global norm with every piece counted once."""
+    results = rank_pool_4.run(
+        bodies.user_tensor_parallel_body, {"tp_size": 2}, STEPS, {"gradient_clip_val": 0.5}, timeout=300
+    )
+    _assert_matches(results, bodies.oracle(2, STEPS, clip_norm=0.5))
+
+
+def test_user_dtensor_parallelism_with_zero_is_refused_with_the_fix(rank_pool_4):
+    messages = rank_pool_4.run(bodies.user_tensor_parallel_body, {"tp_size": 2, "zero_stage": 1}, 1, timeout=300)
+    assert all(isinstance(message, str) and "zero_stage=0" in message for message in messages), messages
 
 
 def test_user_plan_on_the_demo_gpt(rank_pool_2):
