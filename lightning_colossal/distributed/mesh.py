@@ -88,8 +88,7 @@ def forget_dtensor_plans() -> None:
     DTensor ops (the user's own tensor parallelism on ``self.device_mesh``) would reuse a plan naming the previous
     run's destroyed groups. Private torch caches, so each is cleared only if this torch has it.
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
     for cached in (

@@ -231,7 +231,9 @@ def piece_like(whole: Tensor, like: DTensor) -> DTensor:
         elif not isinstance(placement, Replicate):
             raise ValueError(f"Cannot load a whole tensor into a {placement} placement; save it with Shard/Replicate.")
     local = local.to(device=like.device, dtype=like.dtype).contiguous()
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=whole.shape, stride=whole.stride())
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, run_check=False, shape=whole.shape, stride=whole.stride()
+    )
 
 
 def _as_parameter(tensor: Tensor) -> nn.Parameter:
