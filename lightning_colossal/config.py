@@ -320,6 +320,8 @@ class HybridConfig:
             as evenly as possible (the remainder going to the middle stages).
         activation_checkpointing: recompute each transformer layer's activations in backward.
         bucket_size_mb: gradient all-reduce bucket size (MiB) on the data-parallel axis.
+        init_window_bytes: when the model was built on the meta device, how many bytes of this rank's pieces one
+            initialisation pass may materialise at once (more passes, less memory).
     """
 
     tp_size: int = 1
@@ -334,8 +336,11 @@ class HybridConfig:
     layers_per_stage: tuple[int, ...] | None = None
     activation_checkpointing: bool = False
     bucket_size_mb: float = 25.0
+    init_window_bytes: int = 2**30
 
     def __post_init__(self) -> None:
+        if self.init_window_bytes < 1:
+            raise ValueError(f"init_window_bytes={self.init_window_bytes}: pass a positive integer.")
         for name in ("tp_size", "pp_size", "sp_size", "num_model_chunks"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

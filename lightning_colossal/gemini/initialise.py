@@ -17,24 +17,11 @@ read scratch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
+from lightning_colossal.distributed.meta_init import outermost_initialisers
 from lightning_colossal.gemini.manager import ChunkManager
-
-
-def outermost_initialisers(module: nn.Module) -> list[Callable[[], None]]:
-    """The initialisers that together cover ``module``: its own, or else those of its children, recursively."""
-    for attribute in ("reset_parameters", "init_weights"):
-        initialiser = getattr(module, attribute, None)
-        if callable(initialiser):
-            return [initialiser]
-    found: list[Callable[[], None]] = []
-    for child in module.children():
-        found.extend(outermost_initialisers(child))
-    return found
 
 
 def _materialise_in_place(tensor: torch.Tensor, device: torch.device) -> None:

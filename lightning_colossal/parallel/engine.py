@@ -17,6 +17,13 @@ under pipelining. Their gradients are summed over the stages that hold them befo
 so both copies take identical steps. Optimizer state is saved under the parameter's first name (its canonical
 name), which both copies share.
 
+[Note: meta-device models]
+A model built on the meta device (``Trainer.init_module(empty_init=True)``, or ``torch.device("meta")`` in
+``configure_model``) is split and cut while it still has no storage, so each rank only ever materialises the
+tensor-parallel pieces of the stages it runs. Their values come from the model's own initialiser, run over a
+storage-free copy of the unsplit model in windows (``distributed/meta_init.py``): exactly the pieces of what that
+initialiser gives the whole model from the same seed, whatever the layout.
+
 [Note: fused shards are saved whole]
 A fused parameter (GPT-2's ``c_attn``: q, k and v blocks, each split over the tensor-parallel ranks) is not one
 contiguous piece of the whole tensor on any rank, and DCP only stores contiguous pieces (it rejects torch's
@@ -27,6 +34,7 @@ must not stay alive) which local tensor each came from and cuts the loaded value
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -40,6 +48,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, ZeroConfig
 from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.meta_init import initialise_in_windows
 from lightning_colossal.distributed.rows import ShardSpec
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.parallel.data_parallel import GradientAverager
@@ -91,6 +100,8 @@ class HybridEngine:
             split_gather=config.sequence_parallel == "split_gather",
         )
         self._replicate_from_rank_zero()
+        # [Note: meta-device models]: the unsplit structure, kept (storage-free) to run the model's own initialiser.
+        template = copy.deepcopy(model) if _has_meta(root) else None
         #: Every weight name of the whole model (pipeline ranks hold only some of them).
         self.whole_model_keys: list[str] = list(root.state_dict().keys())
         self.names_of: dict[int, list[str]] = _names_by_parameter(root)
@@ -121,6 +132,8 @@ class HybridEngine:
         self._gathered: list[tuple[weakref.ref[Tensor], Tensor, TensorParallelPlacement, ShardSpec | None]] = []
         if config.pp_size > 1:
             self._cut_pipeline(timeout)
+        if template is not None:
+            self._initialise_from(template)
         self.zero: ZeroEngine | None = None
         self.averager: GradientAverager | None = None
         self._blocked = False
@@ -142,6 +155,66 @@ class HybridEngine:
                         collectives.broadcast_tensor(tensor.to_local(), source_rank=0, group=self.groups.reduce_group)
                 else:
                     collectives.broadcast_tensor(tensor.data, source_rank=0)
+
+    def _initialise_from(self, template: nn.Module) -> None:
+        """Fill this rank's pieces of a meta-device model from the model's own initialiser (see [Note: meta-device
+        models]): only the pieces this rank holds after splitting and pipeline cutting are ever materialised."""
+        prefix = next(name for name, module in self.root.named_modules() if module is self.model)
+        prefix = f"{prefix}." if prefix else ""
+        live = {
+            name: tensor
+            for name, tensor in [
+                *self.root.named_parameters(remove_duplicate=False),
+                *self.root.named_buffers(remove_duplicate=False),
+            ]
+        }
+        # Give the live tensors real (uninitialised) storage; tied names share one tensor, materialised once.
+        materialised: dict[int, Tensor] = {}
+        for tensor in live.values():
+            if tensor.is_meta and id(tensor) not in materialised:
+                replacement = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
+                if isinstance(tensor, nn.Parameter):
+                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+                torch.utils.swap_tensors(tensor, replacement)
+                materialised[id(tensor)] = tensor
+
+        def held(names: list[str]) -> list[Tensor]:
+            # A tied weight may survive pipeline pruning under any one of its names (the head on the last stage).
+            found = {id(live[prefix + name]): live[prefix + name] for name in names if prefix + name in live}
+            return [tensor for key, tensor in found.items() if key in materialised]
+
+        def keep(names: list[str], whole: Tensor) -> None:
+            for target in held(names):
+                placement = self.plan.placements.get(id(target))
+                piece = (
+                    whole
+                    if placement is None
+                    else shard_of(whole, placement, self.context.tp_rank, self.context.tp_size)
+                )
+                target.data.copy_(piece)
+
+        # Every rank must draw the same whole values to cut consistent pieces: start from rank 0's random state (the
+        # eager path broadcasts rank 0's weights instead).
+        state = torch.get_rng_state()
+        collectives.broadcast_tensor(state, source_rank=0)
+        torch.set_rng_state(state)
+        if self.device.type == "cuda":
+            cuda_state = torch.cuda.get_rng_state(self.device).to(self.device)
+            collectives.broadcast_tensor(cuda_state, source_rank=0)
+            torch.cuda.set_rng_state(cuda_state.cpu(), self.device)
+        initialise_in_windows(
+            template,
+            lambda names: bool(held(names)),
+            keep,
+            self.device,
+            self.config.init_window_bytes,
+        )
+        left = [name for name, tensor in live.items() if tensor.is_meta]
+        if left:
+            raise ValueError(
+                f"{left[:5]} are on the meta device but outside the model the policy splits: build every module of the"
+                " LightningModule inside that model, or on a real device."
+            )
 
     def _rekey_after_replacement(self) -> None:
         """Policies created new parameters: re-read names, keep the whole shapes (see [Note: names survive...])."""
@@ -496,6 +569,10 @@ def stages_of_rank_holding(stage: int, pp_size: int, config: HybridConfig) -> in
         if stage in stages_of_rank(rank, pp_size, config.num_model_chunks, config.pp_schedule):
             return rank
     raise AssertionError(f"stage {stage} is on no rank")
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()])
 
 
 def _names_by_parameter(root: nn.Module) -> dict[int, list[str]]:

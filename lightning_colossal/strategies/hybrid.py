@@ -41,10 +41,12 @@ class HybridParallelStrategy(ColossalStrategy):
 
     Args:
         tp_size, pp_size, sp_size, zero_stage, sequence_parallel, pp_schedule, num_microbatches, microbatch_size,
-        num_model_chunks, layers_per_stage, activation_checkpointing, bucket_size_mb: see ``HybridConfig``.
+        num_model_chunks, layers_per_stage, activation_checkpointing, bucket_size_mb, init_window_bytes: see
+        ``HybridConfig``.
         policy: which parts of the model to split: ``None`` picks a built-in policy (demo GPT, Hugging Face models
-            with a ``base_model_tp_plan``, GPT-2, BERT), a ``dict`` is a user plan (module pattern -> ``"colwise"``,
-            ``"rowwise"``, ``"vocab"``), or a ``ModelPolicy`` instance.
+            with a ``base_model_tp_plan``, GPT-2, BERT; or keeps DTensor tensor parallelism ``configure_model``
+            applied), a ``dict`` is a user plan (module pattern -> ``"colwise"`` or ``"rowwise"``), or a
+            ``ModelPolicy`` instance.
         process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
         cluster_environment: see ``ColossalStrategy``.
     """
@@ -65,6 +67,7 @@ class HybridParallelStrategy(ColossalStrategy):
         layers_per_stage: list[int] | None = None,
         activation_checkpointing: bool = False,
         bucket_size_mb: float = 25.0,
+        init_window_bytes: int = 2**30,
         policy: ModelPolicy | dict[str, str] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
@@ -96,6 +99,7 @@ class HybridParallelStrategy(ColossalStrategy):
             layers_per_stage=tuple(layers_per_stage) if layers_per_stage is not None else None,
             activation_checkpointing=activation_checkpointing,
             bucket_size_mb=bucket_size_mb,
+            init_window_bytes=init_window_bytes,
         )
         self.policy = policy
         self.engine: HybridEngine | None = None
@@ -141,6 +145,19 @@ class HybridParallelStrategy(ColossalStrategy):
             self.engine.attach_optimizer(optimizer)
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
+
+    def model_to_device(self) -> None:
+        # A meta-device model is split first and only this rank's pieces are materialised, on the device (engine.py).
+        assert self.model is not None
+        if not any(tensor.is_meta for tensor in [*self.model.parameters(), *self.model.buffers()]):
+            self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # empty_init=True (Trainer.init_module(empty_init=True)): shapes only; each rank initialises its pieces.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
 
     # ---------------------------------------------------------------------------------------------- steps
     def _step_context(self) -> Any:

@@ -94,6 +94,33 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
     return GPT(gpt_config(**overrides))
 
 
+def meta_initialised_model(kind: str, **overrides: Any) -> torch.nn.Module:
+    """The whole model a meta-device build gets from its own initialiser at MODEL_SEED, in one process.
+
+    For the demo GPT this equals the eager build; Hugging Face constructors draw through the torch layers' own
+    initialisers before ``init_weights``, so their eager build differs (see ``distributed/meta_init.py``).
+    """
+    import copy
+
+    from lightning_colossal.distributed.meta_init import initialise_in_windows
+
+    with torch.device("meta"):
+        model = build_model(kind, **overrides)
+    template = copy.deepcopy(model)
+    model.to_empty(device="cpu")  # unties tied weights (one new tensor per module)
+    if kind != "gpt":
+        model.tie_weights()
+    live = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+    def keep(names: list[str], whole: torch.Tensor) -> None:
+        for name in names:
+            live[name].data.copy_(whole)
+
+    torch.manual_seed(MODEL_SEED)
+    initialise_in_windows(template, lambda names: True, keep, torch.device("cpu"), 2**30)
+    return model
+
+
 def logits_of(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     output = model(inputs)
     return output if isinstance(output, torch.Tensor) else output.logits
@@ -123,7 +150,13 @@ class TinyGPTModule(LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = build_model(self.kind, **self.config_overrides)
+        overrides = dict(self.config_overrides)
+        if overrides.pop("meta", False):
+            # Shapes only: the strategy splits first and initialises just this rank's pieces.
+            with torch.device("meta"):
+                self.model = build_model(self.kind, **overrides)
+        else:
+            self.model = build_model(self.kind, **overrides)
 
     def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         inputs, targets = batch
@@ -199,7 +232,7 @@ def oracle(
 ) -> dict[str, Any]:
     """Single-process training of the same GPT on each step's global batch."""
     seed_everything(MODEL_SEED, verbose=False)
-    model = build_model(kind, **config)
+    model = meta_initialised_model(kind, **config) if config.pop("meta", False) else build_model(kind, **config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.1)
     dataset = token_dataset()
     inputs, targets = dataset.tensors

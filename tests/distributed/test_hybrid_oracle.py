@@ -166,6 +166,36 @@ def test_user_dtensor_parallelism_with_zero_is_refused_with_the_fix(rank_pool_4)
     assert all(isinstance(message, str) and "zero_stage=0" in message for message in messages), messages
 
 
+META_CASES_2 = {
+    "gpt_tp2": ("gpt", {"tp_size": 2}),
+    "gpt_tp2_many_windows": ("gpt", {"tp_size": 2, "init_window_bytes": 4096}),
+    "gpt_pp2": ("gpt", {"pp_size": 2, "num_microbatches": 2}),
+    "llama_tp2": ("llama", {"tp_size": 2}),
+    "gpt2_tp2": ("gpt2", {"tp_size": 2}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(META_CASES_2))
+def test_meta_device_model_initialises_its_pieces_like_the_eager_model(rank_pool_2, case):
+    """A model built on the meta device: each rank materialises only its pieces, from the model's own initialiser,
+    bit-identical to the eager model's shards, so training matches the oracle built eagerly from the same seed."""
+    kind, strategy_kwargs = META_CASES_2[case]
+    if kind != "gpt":
+        pytest.importorskip("transformers")
+    module_kwargs = {"kind": kind, "meta": True}
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, module_kwargs, timeout=300)
+    # The demo GPT's oracle is built eagerly (bit-identical); Hugging Face ones from their init_weights at the seed.
+    _assert_matches(results, bodies.oracle(1, STEPS, kind=kind, meta=kind != "gpt"))
+
+
+def test_meta_initialisation_of_the_demo_gpt_equals_the_eager_build():
+    """The one-process reference itself: the windowed initialiser gives the eager model's values exactly."""
+    eager = bodies.build_model("gpt")
+    windowed = bodies.meta_initialised_model("gpt")
+    for (name, expected), got in zip(eager.state_dict().items(), windowed.state_dict().values(), strict=True):
+        assert torch.equal(expected, got), name
+
+
 def test_user_plan_on_the_demo_gpt(rank_pool_2):
     """A user plan (module patterns relative to the LightningModule) splits the named linears and stays exact."""
     plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
