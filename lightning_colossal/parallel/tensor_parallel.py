@@ -16,6 +16,7 @@ not supported yet: the engine assumes plain parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -129,10 +130,9 @@ class ColumnParallelLinear(nn.Module):
         self.transposed = transposed
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if self.context.split_gather:
-            hidden = differentiable.gather_along(hidden, 1, self.context.tp_group)
-        else:
-            hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
+        if self.context.split_gather and self.context.tp_size > 1:
+            return _sequence_gathered_linear(hidden, self.weight, self.bias, self.context.tp_group, self.transposed)
+        hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
         if self.transposed:
             output = hidden @ self.weight
             return output if self.bias is None else output + self.bias
@@ -205,11 +205,10 @@ class VocabParallelHead(nn.Module):
         self.local_output = False
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if self.context.split_gather:
-            hidden = differentiable.gather_along(hidden, 1, self.context.tp_group)
+        if self.context.split_gather and self.context.tp_size > 1:
+            logits = _sequence_gathered_linear(hidden, self.weight, self.bias, self.context.tp_group, False)
         else:
-            hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
-        logits = F.linear(hidden, self.weight, self.bias)
+            logits = F.linear(differentiable.copy_to_group(hidden, self.context.tp_group), self.weight, self.bias)
         if self.local_output or self.context.tp_size == 1:
             return logits
         return vocab_sharded(logits, self.context)
@@ -234,6 +233,54 @@ def piece_like(whole: Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, run_check=False, shape=whole.shape, stride=whole.stride()
     )
+
+
+def _sequence_gathered_linear(
+    shard: Tensor, weight: Tensor, bias: Tensor | None, group: ProcessGroup | None, transposed: bool
+) -> Tensor:
+    """``gather(shard) @ weight + bias`` (see ``_SequenceGatheredProduct``), with autocast applied as ``F.linear``
+    would: ops inside an autograd Function are not autocast, so the casts happen here, where autograd sees them
+    (their backward returns the gradients in the parameters' own dtype)."""
+    device_type = shard.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        shard, weight = shard.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        output = _SequenceGatheredProduct.apply(shard, weight, group, transposed)
+        return output if bias is None else output + bias
+
+
+class _SequenceGatheredProduct(torch.autograd.Function):
+    """``gather(shard) @ weight`` for split-gather sequence parallelism, keeping only the shard for backward.
+
+    Autograd would keep the gathered (whole-sequence) input of every column-parallel layer until backward, which
+    undoes sequence parallelism's saving exactly where activations are largest. Like Megatron, this keeps this rank's
+    sequence shard and gathers it again in backward for the weight gradient: one more all-gather per layer, 1/tp of
+    the saved input. The input gradient is reduce-scattered back to sequence shards (the gather's transpose).
+    Weights are ``[out, in]`` (``F.linear``) or ``[in, out]`` when ``transposed`` (GPT-2's ``Conv1D``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, shard: Tensor, weight: Tensor, group: ProcessGroup, transposed: bool) -> Tensor:
+        whole = collectives.gather_along(shard.contiguous(), 1, group)
+        ctx.save_for_backward(shard, weight)
+        ctx.group, ctx.transposed = group, transposed
+        return whole @ weight if transposed else F.linear(whole, weight)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        shard, weight = ctx.saved_tensors  # one dtype: _sequence_gathered_linear casts both under autocast
+        shard_gradient = weight_gradient = None
+        if ctx.needs_input_grad[0]:
+            whole_gradient = gradient @ weight.t() if ctx.transposed else gradient @ weight
+            shard_gradient = collectives.reduce_scatter_along(whole_gradient.contiguous(), 1, ctx.group)
+        if ctx.needs_input_grad[1]:
+            whole = collectives.gather_along(shard.contiguous(), 1, ctx.group)
+            inputs = whole.reshape(-1, whole.shape[-1])
+            outputs = gradient.reshape(-1, gradient.shape[-1])
+            weight_gradient = inputs.t() @ outputs if ctx.transposed else outputs.t() @ inputs
+        return shard_gradient, weight_gradient, None, None
 
 
 def _as_parameter(tensor: Tensor) -> nn.Parameter:

@@ -364,3 +364,43 @@ def user_tensor_parallel_body(
     except (TypeError, ValueError) as error:
         return str(error)
     return {"weights": full_weights(module, strategy), "losses": module.step_losses}
+
+
+def sequence_gathered_product_body(autocast: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A split-gather ColumnParallelLinear over the world's 2 ranks against the same product in one process.
+
+    Returns ``name -> (this rank's value, the one-process value's matching slice)``.
+    """
+    import contextlib
+
+    from lightning_colossal.parallel.tensor_parallel import ColumnParallelLinear, ParallelContext
+
+    rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    whole_input, weight, bias = (torch.randn(shape, generator=generator) for shape in ((2, 8, 16), (12, 16), (12,)))
+    context = ParallelContext(tp_group=torch.distributed.group.WORLD, tp_mesh=None, sp_group=None, split_gather=True)
+    layer = ColumnParallelLinear(weight.chunk(size)[rank].clone(), bias.chunk(size)[rank].clone(), context)
+    shard = whole_input.chunk(size, dim=1)[rank].clone().requires_grad_()
+    reference_input, reference_weight, reference_bias = (
+        tensor.clone().requires_grad_() for tensor in (whole_input, weight, bias)
+    )
+
+    def autocast_context() -> Any:
+        return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    with autocast_context():
+        output = layer(shard)
+        # Product, then bias in the product's dtype: the rounding the sharded layer does (F.linear rounds once).
+        product = reference_input @ reference_weight.t()
+        reference = product + reference_bias.to(product.dtype)
+    # The loss sums every rank's output features; each rank backpropagates its own part.
+    output.float().pow(2).sum().backward()
+    reference.float().pow(2).sum().backward()
+    assert layer.weight.grad is not None and layer.bias.grad is not None and shard.grad is not None
+    assert reference_weight.grad is not None and reference_bias.grad is not None and reference_input.grad is not None
+    return {
+        "output": (output.detach(), reference.detach().chunk(size, dim=-1)[rank]),
+        "weight gradient": (layer.weight.grad, reference_weight.grad.chunk(size)[rank]),
+        "bias gradient": (layer.bias.grad, reference_bias.grad.chunk(size)[rank]),
+        "input gradient": (shard.grad, reference_input.grad.chunk(size, dim=1)[rank]),
+    }

@@ -235,3 +235,15 @@ def test_global_norm_clipping_matches_oracle(rank_pool_4, case):
     strategy_kwargs, dp_size = CLIP_CASES[case]
     results = rank_pool_4.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, {"gradient_clip_val": 0.5}, timeout=300)
     _assert_matches(results, bodies.oracle(dp_size, STEPS, clip_norm=0.5))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_split_gather_product_matches_one_process(rank_pool_2, autocast):
+    """The split-gather column-parallel product (saves the sequence shard, gathers again in backward) gives each
+    rank its slice of the one-process output, weight, bias and input gradients, in fp32 and under bf16 autocast."""
+    results = rank_pool_2.run(bodies.sequence_gathered_product_body, autocast, timeout=120)
+    tolerance = {"atol": 3e-2, "rtol": 2e-2} if autocast else {"atol": 1e-5, "rtol": 1e-5}
+    for result in results:
+        for name, (got, expected) in result.items():
+            assert got.dtype == expected.dtype, name
+            torch.testing.assert_close(got, expected, **tolerance, msg=lambda message, name=name: f"{name}: {message}")
