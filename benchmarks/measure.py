@@ -175,28 +175,48 @@ class ModelStateFormula:
 
     Each category is ``(replicated, sharded)``: it costs ``replicated * Ψ + sharded * Ψ / N`` bytes on a rank,
     where Ψ is the parameter count of the whole model and N the number of ranks the state is sharded over.
+
+    Tensor parallelism (``tensor_parallel=True``) splits only some parameters (the linear layers, embedding and head
+    of a transformer) and keeps the others (norms, some biases, position embeddings) whole on every rank, so its
+    coefficients apply to two counts instead: ``replicated * (Ψ − Ψₜ) + sharded * Ψₜ / N``, Ψₜ being the parameters
+    the plan splits (counted whole) and N the tensor-parallel ranks (all ranks: no data parallelism).
     """
 
     mode: str
     parameters: tuple[int, int]
     gradients: tuple[int, int]
     optimizer_state: tuple[int, int]
+    tensor_parallel: bool = False
 
-    def bytes(self, parameter_count: int, world_size: int) -> ModelStateBytes:
-        """The formula evaluated for ``parameter_count`` (Ψ) and ``world_size`` (N)."""
+    def bytes(self, parameter_count: int, world_size: int, tensor_parallel_count: int | None = None) -> ModelStateBytes:
+        """The formula evaluated for ``parameter_count`` (Ψ), ``world_size`` (N) and, for tensor parallelism,
+        ``tensor_parallel_count`` (Ψₜ).
+
+        Raises:
+            ValueError: a tensor-parallel formula without Ψₜ, or Ψₜ outside [0, Ψ].
+        """
+        whole, split = parameter_count, parameter_count
+        if self.tensor_parallel:
+            if tensor_parallel_count is None or not 0 <= tensor_parallel_count <= parameter_count:
+                raise ValueError(
+                    f"The {self.mode} formula needs the count of tensor-parallel parameters (0..{parameter_count}),"
+                    f" got {tensor_parallel_count}."
+                )
+            whole, split = parameter_count - tensor_parallel_count, tensor_parallel_count
 
         def evaluate(coefficients: tuple[int, int]) -> float:
             replicated, sharded = coefficients
-            return replicated * parameter_count + sharded * parameter_count / world_size
+            return replicated * whole + sharded * split / world_size
 
         return ModelStateBytes(evaluate(self.parameters), evaluate(self.gradients), evaluate(self.optimizer_state))
 
     def expression(self) -> str:
-        """The total as text, e.g. ``16Ψ`` or ``4Ψ + 12Ψ/N``."""
+        """The total as text, e.g. ``16Ψ``, ``4Ψ + 12Ψ/N`` or ``16(Ψ − Ψₜ) + 16Ψₜ/N``."""
         categories = (self.parameters, self.gradients, self.optimizer_state)
         replicated = sum(category[0] for category in categories)
         sharded = sum(category[1] for category in categories)
-        terms = ([f"{replicated}Ψ"] if replicated else []) + ([f"{sharded}Ψ/N"] if sharded else [])
+        whole, split = ("(Ψ − Ψₜ)", "Ψₜ") if self.tensor_parallel else ("Ψ", "Ψ")
+        terms = ([f"{replicated}{whole}"] if replicated else []) + ([f"{sharded}{split}/N"] if sharded else [])
         return " + ".join(terms) or "0"
 
 
@@ -210,6 +230,9 @@ MODEL_STATE_FORMULAS: dict[str, ModelStateFormula] = {
         ModelStateFormula("zero1", parameters=(4, 0), gradients=(4, 0), optimizer_state=(0, 8)),
         ModelStateFormula("zero2", parameters=(4, 0), gradients=(0, 4), optimizer_state=(0, 8)),
         ModelStateFormula("zero3", parameters=(0, 4), gradients=(0, 4), optimizer_state=(0, 8)),
+        # Tensor parallelism over all N ranks without ZeRO: every rank holds its shard of the split parameters and
+        # the other parameters whole, each with its gradient and Adam state.
+        ModelStateFormula("tp", parameters=(4, 4), gradients=(4, 4), optimizer_state=(8, 8), tensor_parallel=True),
     )
 }
 

@@ -68,6 +68,7 @@ class ConfigurationSummary:
     bytes_identical_across_runs: bool
     other_load: Summary | None
     final_loss: float
+    tensor_parallel_parameter_count: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -86,7 +87,9 @@ def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: in
     measured = rank_result["bytes"]
     formula = None
     if mode is not None:
-        formula = MODEL_STATE_FORMULAS[mode].bytes(rank_result["parameter_count"], world_size)
+        formula = MODEL_STATE_FORMULAS[mode].bytes(
+            rank_result["parameter_count"], world_size, rank_result.get("tensor_parallel_parameter_count")
+        )
     return RankBytes(
         rank=rank_result["rank"],
         parameters=measured["parameters"],
@@ -117,7 +120,8 @@ def summarize_configurations(
         configurations: ``{"label", "strategy", "mode"}`` per configuration, in the order to report them.
         peer: Label whose run of the same repeat divides every other configuration's, or ``None``.
         statistic: Per-run step-time statistic (``p20``, ``min``, ``median``).
-        tokens_per_step: Tokens of one global batch.
+        tokens_per_step: Tokens of one global batch when every rank reads its own batch. A run whose ranks report a
+            smaller ``data_parallel_size`` (tensor- or sequence-parallel ranks share a batch) is scaled down to it.
     """
     accepted = [run for run in runs if run["status"] in ACCEPTED_STATUSES]
     step_times: dict[str, dict[int, float]] = {}
@@ -142,6 +146,7 @@ def summarize_configurations(
         }
         loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
         first = own_runs[0]
+        data_parallel_size = first["ranks"][0].get("data_parallel_size", world_size)
         summaries.append(
             ConfigurationSummary(
                 label=label,
@@ -151,7 +156,7 @@ def summarize_configurations(
                 parameter_count=first["ranks"][0]["parameter_count"],
                 step_time_by_repeat=by_repeat,
                 step_time=summarize(list(by_repeat.values())),
-                tokens_per_second=tokens_per_step / _median(list(by_repeat.values())),
+                tokens_per_second=tokens_per_step * data_parallel_size / world_size / _median(list(by_repeat.values())),
                 ratio_to_peer=summarize(ratios) if ratios else None,
                 ratios_to_peer=ratios,
                 peak_rss_bytes_per_rank=[
@@ -161,6 +166,7 @@ def summarize_configurations(
                 bytes_identical_across_runs=len(byte_fingerprints) == 1,
                 other_load=summarize(loads) if loads else None,
                 final_loss=sum(rank["losses"][-1] for rank in first["ranks"]) / world_size,
+                tensor_parallel_parameter_count=first["ranks"][0].get("tensor_parallel_parameter_count"),
             )
         )
     return summaries
@@ -310,6 +316,12 @@ def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
             keys = ", ".join(f"{key} {value:,} B" for key, value in rank_bytes.optimizer_state_by_key.items())
             notes.append(f"{summary.label}: optimizer state by key on rank {rank_bytes.rank}: {keys}.")
         notes.extend(_memory_report_notes(summary.label, summary.model_state))
+        if summary.mode is not None and MODEL_STATE_FORMULAS[summary.mode].tensor_parallel:
+            split = summary.tensor_parallel_parameter_count or 0
+            notes.append(
+                f"{summary.label}: Ψₜ (parameters split by tensor parallelism, counted whole) = {split:,}; whole on "
+                f"every rank: Ψ − Ψₜ = {summary.parameter_count - split:,}."
+            )
     return notes
 
 

@@ -37,7 +37,7 @@ from benchmarks.machine import cpu_description, git_revision, quiet_load, read_c
 from benchmarks.measure import STEP_TIME_STATISTICS, run_step_time
 from benchmarks.report import ACCEPTED_STATUSES, format_markdown, format_text, summarize_configurations
 
-__all__ = ["RunFailed", "launch_run", "main", "parse_arguments"]
+__all__ = ["RunFailed", "launch_ranks", "launch_run", "main", "parse_arguments", "wait_for_quiet"]
 
 REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
 _LOG_TAIL_CHARACTERS = 4000
@@ -227,6 +227,47 @@ def _log_tails(log_paths: Sequence[Path]) -> str:
     return "\n".join(tails)
 
 
+def launch_ranks(module: str, arguments: Sequence[str], world_size: int, directory: Path, timeout: float) -> int:
+    """Run ``python -m module *arguments`` as ``world_size`` ranks joined through the environment; wait for all.
+
+    Each rank logs to ``directory/rank<R>.log``. Returns the ``MASTER_PORT`` the ranks used.
+
+    Raises:
+        RunFailed: a rank failed or the ranks passed ``timeout`` seconds; the message holds every rank's log tail.
+    """
+    log_paths = [directory / f"rank{rank}.log" for rank in range(world_size)]
+    port = _free_port()
+    deadline = time.perf_counter() + timeout
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank, log_path in enumerate(log_paths):
+            with open(log_path, "wb") as log:
+                processes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", module, *arguments],
+                        cwd=REPOSITORY_ROOT,
+                        env=_rank_environment(rank, world_size, port),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        while any(process.poll() is None for process in processes):
+            # One failed rank leaves the others waiting in a collective: stop them all at once.
+            if any(process.returncode not in (None, 0) for process in processes):
+                break
+            if time.perf_counter() > deadline:
+                _kill(processes)
+                raise RunFailed(f"{module} passed its {timeout:.0f} s timeout.\n{_log_tails(log_paths)}")
+            time.sleep(0.1)
+    finally:
+        _kill(processes)
+    return_codes = [process.returncode for process in processes]
+    if any(code != 0 for code in return_codes):
+        raise RunFailed(f"{module} failed, return codes {return_codes}.\n{_log_tails(log_paths)}")
+    return port
+
+
 def launch_run(spec: RunSpec, timeout: float) -> dict[str, Any]:
     """Start the ranks of one run, wait for them and return their results and the run's whole-run CPU figures.
 
@@ -236,40 +277,14 @@ def launch_run(spec: RunSpec, timeout: float) -> dict[str, Any]:
     directory = Path(spec.result_directory)
     spec_path = directory / "spec.json"
     spec.write(spec_path)
-    log_paths = [directory / f"rank{rank}.log" for rank in range(spec.world_size)]
-    port = _free_port()
     cpu_before = read_cpu_times()
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    processes: list[subprocess.Popen[bytes]] = []
     try:
-        for rank, log_path in enumerate(log_paths):
-            with open(log_path, "wb") as log:
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "benchmarks.worker", "--spec", str(spec_path)],
-                        cwd=REPOSITORY_ROOT,
-                        env=_rank_environment(rank, spec.world_size, port),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        deadline = start + timeout
-        while any(process.poll() is None for process in processes):
-            # One failed rank leaves the others waiting in a collective: stop them all at once.
-            if any(process.returncode not in (None, 0) for process in processes):
-                break
-            if time.perf_counter() > deadline:
-                _kill(processes)
-                raise RunFailed(f"Run of {spec.strategy} passed its {timeout:.0f} s timeout.\n{_log_tails(log_paths)}")
-            time.sleep(0.1)
-    finally:
-        _kill(processes)
+        port = launch_ranks("benchmarks.worker", ["--spec", str(spec_path)], spec.world_size, directory, timeout)
+    except RunFailed as error:
+        raise RunFailed(f"Run of {spec.strategy}: {error}") from None
     wall = time.perf_counter() - start
-    return_codes = [process.returncode for process in processes]
-    if any(code != 0 for code in return_codes):
-        raise RunFailed(f"Run of {spec.strategy} failed, return codes {return_codes}.\n{_log_tails(log_paths)}")
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_after = read_cpu_times()
     own_cpu = (children_after.ru_utime + children_after.ru_stime) - (
@@ -314,7 +329,7 @@ def _spec(arguments: argparse.Namespace, configuration: Configuration, result_di
     )
 
 
-def _wait_for_quiet(max_load: float, patience: float) -> float | None:
+def wait_for_quiet(max_load: float, patience: float) -> float | None:
     """Sample other processes' load until it is at most ``max_load`` or ``patience`` seconds passed."""
     start = time.perf_counter()
     # Several seconds: the other work on these machines comes in bursts that a one-second sample misses.
@@ -339,7 +354,7 @@ def _measure_configuration(
     attempts: list[dict[str, Any]] = []
     for attempt in range(1, arguments.max_attempts + 1):
         load_before = (
-            _wait_for_quiet(arguments.max_load, arguments.quiet_wait) if arguments.max_load is not None else None
+            wait_for_quiet(arguments.max_load, arguments.quiet_wait) if arguments.max_load is not None else None
         )
         result_directory = scratch / f"repeat{repeat}-{configuration.label}-attempt{attempt}"
         result_directory.mkdir(parents=True)
@@ -384,6 +399,21 @@ def _header_lines(arguments: argparse.Namespace, context: dict[str, Any], runs: 
     )
     model = ", ".join(f"{key}={value}" for key, value in arguments.model_config.items())
     global_batch = arguments.batch_size_per_rank * arguments.world_size
+    # Tensor- and sequence-parallel ranks read one batch together: their global batch is smaller.
+    shared = {
+        run["label"]: run["ranks"][0]["data_parallel_size"]
+        for run in runs
+        if run["ranks"][0].get("data_parallel_size", arguments.world_size) < arguments.world_size
+    }
+    batch_note = (
+        "; ranks share batches in "
+        + ", ".join(
+            f"{label} (data-parallel size {size}: global batch {arguments.batch_size_per_rank * size})"
+            for label, size in sorted(shared.items())
+        )
+        if shared
+        else ""
+    )
     return [
         f"Machine: {context['machine']}",
         f"Date: {context['started_at']}",
@@ -391,7 +421,7 @@ def _header_lines(arguments: argparse.Namespace, context: dict[str, Any], runs: 
         f"Model: GPT {parameter_count / 1e6:.2f}M parameters ({model})",
         f"Workload: {arguments.world_size} CPU ranks (gloo, OMP_NUM_THREADS=1), global batch {global_batch} "
         f"({arguments.batch_size_per_rank} per rank) x {arguments.sequence_length} tokens, fp32, "
-        f"AdamW lr {arguments.learning_rate:g}",
+        f"AdamW lr {arguments.learning_rate:g}{batch_note}",
         f"Method: {arguments.repeats} repeats, configurations in a fresh random order per repeat (seed "
         f"{arguments.seed}); per run {arguments.warmup} warm-up + {arguments.steps} measured steps, step time = "
         f"{arguments.statistic} over steps of the slowest rank per step; ratios paired within a repeat",
