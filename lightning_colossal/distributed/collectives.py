@@ -109,6 +109,15 @@ def broadcast_object(obj: T, source_rank: int = 0, group: ProcessGroup | None = 
     return container[0]
 
 
+def gather_objects(obj: T, group: ProcessGroup | None = None) -> list[T]:
+    """Every rank's picklable ``obj``, in group-rank order, on every rank of ``group``."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def all_gather_tensor(
     tensor: torch.Tensor, group: ProcessGroup | None = None, sync_grads: bool = False
 ) -> torch.Tensor:

@@ -104,6 +104,10 @@ class HybridEngine:
         template = copy.deepcopy(model) if _has_meta(root) else None
         #: Every weight name of the whole model (pipeline ranks hold only some of them).
         self.whole_model_keys: list[str] = list(root.state_dict().keys())
+        #: Position of each parameter (by canonical name) in the whole model's order.
+        self.whole_parameter_order: dict[str, int] = {
+            name: index for index, (name, _) in enumerate(root.named_parameters())
+        }
         self.names_of: dict[int, list[str]] = _names_by_parameter(root)
         self.full_shapes: dict[int, torch.Size] = {
             key: _shape_of(root, names[0]) for key, names in self.names_of.items()
@@ -554,6 +558,19 @@ class HybridEngine:
             for group in state["param_groups"]
         ]
         return {"state": renamed, "param_groups": groups}
+
+    def whole_model_param_groups(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Canonically named parameter groups of the whole model: every pipeline rank's names, merged in the whole
+        model's order (a collective over the pipeline ranks). A checkpoint then lists every stage's parameters, so
+        the consolidated file keeps every stage's optimizer state, and a full checkpoint maps onto any stage."""
+        if self.groups.pp_group is None or self.groups.pp_size == 1:
+            return param_groups
+        gathered = collectives.gather_objects([group["params"] for group in param_groups], self.groups.pp_group)
+        merged = []
+        for index, group in enumerate(param_groups):
+            names = {name for rank_groups in gathered for name in rank_groups[index]}
+            merged.append({**group, "params": sorted(names, key=self.whole_parameter_order.__getitem__)})
+        return merged
 
     def remove(self) -> None:
         for handle in self._gradient_hooks:

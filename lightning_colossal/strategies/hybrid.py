@@ -368,12 +368,23 @@ class HybridParallelStrategy(ColossalStrategy):
                 for state_key, value in list(entries.items()):
                     if isinstance(value, Tensor) and value.dim() > 0:
                         entries[state_key] = engine.whole_tensor_of(value, key)
-        return engine.rename_optimizer_state(state, to_canonical=True)
+        canonical = engine.rename_optimizer_state(state, to_canonical=True)
+        return {"state": canonical["state"], "param_groups": engine.whole_model_param_groups(canonical["param_groups"])}
 
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         assert self.engine is not None and self.lightning_module is not None
         engine = self.engine
-        state = engine.full_optimizer_state_to_local(engine.rename_optimizer_state(state, to_canonical=False))
+        state = engine.rename_optimizer_state(state, to_canonical=False)
+        # Groups list the whole model (whole_model_param_groups); this rank loads the parameters it holds.
+        own = dict(self.lightning_module.named_parameters())
+        state = {
+            "state": {name: entries for name, entries in state["state"].items() if name in own},
+            "param_groups": [
+                {**group, "params": [name for name in group["params"] if name in own]}
+                for group in state["param_groups"]
+            ],
+        }
+        state = engine.full_optimizer_state_to_local(state)
         if engine.zero is not None:
             engine.zero.load_optimizer_state_by_name(state)
             return

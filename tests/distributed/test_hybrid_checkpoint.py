@@ -76,3 +76,26 @@ def test_user_dtensor_checkpoint_resumes_under_the_built_in_policy_and_one_rank(
         _check_continuation(resumed, reference)
     single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, timeout=300)
     _check_continuation(single, reference)
+
+
+def test_pp2_checkpoint_resumes_at_tp2_and_one_rank(rank_pool_4, rank_pool_1, tmp_path):
+    """Each pipeline rank saves its own stages' weights and optimizer state; every piece comes back under layouts
+    that cut the model differently (and the consolidated file holds the whole optimizer state)."""
+    saved = str(tmp_path / "pp2_dp2.ckpt")
+    layout = {"pp_size": 2, "num_microbatches": 2, "zero_stage": 1}
+    rank_pool_4.run(bodies.checkpoint_body, layout, 1, 4, saved, None, timeout=300)
+    reference = bodies.oracle(2, 2 * STEPS_PER_EPOCH)
+    resumed = rank_pool_4.run(bodies.checkpoint_body, {"tp_size": 2}, 2, 4, None, saved, timeout=300)
+    _check_continuation(resumed, reference)
+    single = rank_pool_1.run(bodies.checkpoint_body, {}, 2, 8, None, saved, timeout=300)
+    _check_continuation(single, reference)
+
+    # The consolidated file holds every stage's optimizer state by position, and a pipeline takes its stages' part.
+    from lightning_colossal.checkpoint import consolidate
+
+    full = str(consolidate(saved, tmp_path / "full.ckpt"))
+    contents = torch.load(full, weights_only=False)
+    trainable = sum(1 for _ in bodies.build_model("gpt").parameters())
+    assert len(contents["optimizer_states"][0]["state"]) == trainable
+    pipelined = rank_pool_4.run(bodies.checkpoint_body, layout, 2, 4, None, full, timeout=300)
+    _check_continuation(pipelined, reference)
