@@ -220,6 +220,15 @@ class HybridParallelStrategy(ColossalStrategy):
         if isinstance(batch, (tuple, list)) and (len(batch) == 2 or (batch and not targets_required)):
             return batch[0], batch[1] if len(batch) > 1 else None
         if isinstance(batch, Mapping) and "input_ids" in batch and ("labels" in batch or not targets_required):
+            mask = batch.get("attention_mask")
+            # Stages receive token ids only. Right padding is harmless under causal attention (no real token attends
+            # to a later pad; give pads the label -100); padding before real tokens would be attended silently.
+            if isinstance(mask, Tensor) and mask.dim() == 2 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+                raise ValueError(
+                    "With pp_size > 1 the pipeline stages get no attention_mask, but this batch has padding before real"
+                    " tokens (left padding): pad on the right (tokenizer.padding_side = 'right', labels -100 on the"
+                    " pads) or pack sequences without padding."
+                )
             return batch["input_ids"], batch.get("labels")
         raise TypeError(
             "With pp_size > 1 a batch must be an (inputs, targets) pair or a dict with 'input_ids' and 'labels': the"

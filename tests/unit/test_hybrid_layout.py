@@ -226,3 +226,25 @@ def test_strategy_names_are_registered():
     assert StrategyRegistry["colossal_hybrid"]["strategy"] is HybridParallelStrategy
     assert StrategyRegistry["colossal_hybrid_notebook"]["strategy"] is HybridParallelStrategy
     assert StrategyRegistry["colossal_hybrid_notebook"]["init_params"] == {"start_method": "fork"}
+
+
+def test_pipeline_batches_with_left_padding_are_refused_right_padding_accepted():
+    import torch
+
+    strategy = HybridParallelStrategy(pp_size=2, num_microbatches=2)
+    input_ids = torch.arange(8).view(2, 4)
+    labels = input_ids.clone()
+    right_padded = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+    }
+    inputs, targets = strategy._pipeline_inputs(right_padded)
+    assert inputs is input_ids and targets is labels
+    left_padded = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
+    }
+    with pytest.raises(ValueError, match="padding_side = 'right'"):
+        strategy._pipeline_inputs(left_padded)
