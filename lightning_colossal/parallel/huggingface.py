@@ -2,8 +2,8 @@
 
 Tensor parallelism: their ``config.base_model_tp_plan`` names the column- and row-parallel projections of the base
 model; the policy applies it to the base model (``model.<base_model_prefix>``). Attention reshapes in these models
-use ``-1`` heads, so a rank with a share of the heads runs the unchanged forward. The LM head stays whole (their
-plan gathers its output anyway).
+use ``-1`` heads, so a rank with a share of the heads runs the unchanged forward. An untied LM head is split by
+vocabulary with its logits left sharded for ``loss_parallel``; embeddings (and a head tied to them) stay whole.
 
 Pipeline parallelism: their ``config.base_model_pp_plan`` says the base model is ``embed_tokens`` -> ``layers`` ->
 ``norm``; a stage runs the embedding (first), its layers, and the norm and the causal LM's head (last). Each stage
@@ -14,6 +14,7 @@ exactly that (no embedding scaling, no extra per-layer inputs).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -21,7 +22,12 @@ from torch import Tensor, nn
 
 from lightning_colossal.parallel.plan_policy import PlanPolicy
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
-from lightning_colossal.parallel.tensor_parallel import ParallelContext
+from lightning_colossal.parallel.tensor_parallel import (
+    ParallelContext,
+    TensorParallelPlacement,
+    VocabParallelHead,
+    shard_of,
+)
 
 #: ``config.model_type`` of the decoders whose base forward is embed -> rotary + mask -> layers -> norm.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,7 +53,34 @@ class HuggingFacePlanPolicy(ModelPolicy):
             if getattr(config, attribute, None)
         )
         plan_policy = PlanPolicy(dict(config.base_model_tp_plan), prefix=f"{prefix}." if prefix else "", heads=heads)
-        return plan_policy.parallelize(model, context)
+        plan = plan_policy.parallelize(model, context)
+        self._split_head(model, base, context, plan)
+        return plan
+
+    @staticmethod
+    def _split_head(model: nn.Module, base: nn.Module, context: ParallelContext, plan: ParallelPlan) -> None:
+        """A causal LM's untied head, vocabulary-parallel: no rank computes the whole logits (they stay a sharded
+        DTensor for ``loss_parallel``, which the model's own ``labels=`` loss also runs under). A head tied to the
+        (whole) embedding, or a vocabulary that does not divide, stays whole."""
+        head = getattr(model, "lm_head", None)
+        if context.tp_size == 1 or base is model or not isinstance(head, nn.Linear) or head.bias is not None:
+            return
+        embedding = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+        if embedding is not None and getattr(embedding, "weight", None) is head.weight:
+            return
+        if head.out_features % context.tp_size != 0:
+            warnings.warn(
+                f"lm_head has {head.out_features} outputs, not divisible by tp_size={context.tp_size}: it stays whole"
+                " on every rank (pad the vocabulary to a multiple of tp_size to split it).",
+                stacklevel=3,
+            )
+            return
+        rows = TensorParallelPlacement(0)
+        weight = shard_of(head.weight.detach(), rows, context.tp_rank, context.tp_size).clone()
+        split = VocabParallelHead(weight, None, context)
+        split.weight.requires_grad_(head.weight.requires_grad)
+        model.lm_head = split
+        plan.record(split.weight, rows)
 
     # ---------------------------------------------------------------------------------------------- pipeline
     def _check_pipeline(self, model: nn.Module) -> None:
@@ -109,6 +142,10 @@ class DecoderStage(nn.Module):
         if last:
             self.norm = base.norm
             self.lm_head = model.lm_head if base is not model else nn.Identity()
+            if isinstance(self.lm_head, VocabParallelHead):
+                self.lm_head.local_output = True
+        #: The last stage returns this rank's vocabulary slice of the logits (see ``HybridEngine._stage_loss``).
+        self.vocab_parallel_output = last and isinstance(getattr(model, "lm_head", None), VocabParallelHead)
 
     def forward(self, hidden: Tensor) -> Tensor:
         if self.first:

@@ -143,6 +143,8 @@ class TinyGPTModule(LightningModule):
         super().__init__()
         self.batch_size = batch_size
         self.kind = kind
+        # The Hugging Face model's own loss (`labels=`), rather than cross-entropy on its logits here.
+        self.model_loss = bool(config.pop("model_loss", False))
         self.config_overrides = config
         self.model: torch.nn.Module | None = None
         self.step_losses: list[float] = []
@@ -161,6 +163,10 @@ class TinyGPTModule(LightningModule):
     def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         inputs, targets = batch
         assert self.model is not None
+        if self.model_loss:
+            output = self.model(input_ids=inputs, labels=inputs)
+            self.logits_were_sharded = isinstance(output.logits, DTensor)
+            return output.loss
         return language_model_loss(logits_of(self.model, inputs), targets)
 
     def pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -218,7 +224,10 @@ def hybrid_train_body(
         devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps, **(trainer_kwargs or {})
     )
     trainer.fit(module)
-    return {"weights": full_weights(module, strategy), "losses": module.step_losses}
+    result = {"weights": full_weights(module, strategy), "losses": module.step_losses}
+    if hasattr(module, "logits_were_sharded"):
+        result["logits_were_sharded"] = module.logits_were_sharded
+    return result
 
 
 def oracle(
@@ -228,6 +237,7 @@ def oracle(
     accumulate: int = 1,
     clip_norm: float | None = None,
     kind: str = "gpt",
+    model_loss: bool = False,
     **config: Any,
 ) -> dict[str, Any]:
     """Single-process training of the same GPT on each step's global batch."""
@@ -243,7 +253,10 @@ def oracle(
         step_losses = []
         for _ in range(accumulate):
             chosen = [index for rank_indices in next(batches) for index in rank_indices]
-            step_losses.append(language_model_loss(logits_of(model, inputs[chosen]), targets[chosen]))
+            if model_loss:
+                step_losses.append(model(input_ids=inputs[chosen], labels=inputs[chosen]).loss)
+            else:
+                step_losses.append(language_model_loss(logits_of(model, inputs[chosen]), targets[chosen]))
         loss = torch.stack(step_losses).mean()
         loss.backward()
         losses.append(loss.item())

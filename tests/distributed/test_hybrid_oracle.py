@@ -136,6 +136,16 @@ def test_huggingface_models_match_oracle(rank_pool_2, case):
     _assert_matches(results, bodies.oracle(1, STEPS, kind=kind, **config))
 
 
+def test_huggingface_llama_own_loss_with_vocabulary_parallel_head(rank_pool_2):
+    """The untied LM head is split by vocabulary: the model's own `labels=` loss runs on sharded logits inside
+    loss_parallel and trains like one process."""
+    pytest.importorskip("transformers")
+    module_kwargs = {"kind": "llama", "model_loss": True}
+    results = rank_pool_2.run(bodies.hybrid_train_body, {"tp_size": 2}, STEPS, None, module_kwargs, timeout=300)
+    assert all(result["logits_were_sharded"] for result in results)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind="llama", model_loss=True))
+
+
 def test_huggingface_llama_tp2_pp2(rank_pool_4):
     """Tensor parallelism from the model's own plan inside pipeline stages (the head whole on the last stage)."""
     pytest.importorskip("transformers")
