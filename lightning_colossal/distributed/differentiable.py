@@ -81,6 +81,21 @@ class _SplitAlong(torch.autograd.Function):
         return collectives.gather_along(gradient.contiguous(), ctx.dim, ctx.group), None, None
 
 
+class _GatherForReplicated(torch.autograd.Function):
+    """All-gather forward for a consumer every rank runs identically (a replicated head): each rank's gradient is
+    already the whole one, so backward keeps this rank's slice instead of summing."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return collectives.gather_along(tensor.contiguous(), dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        size = collectives.world_size(ctx.group)
+        return gradient.chunk(size, dim=ctx.dim)[collectives.rank(ctx.group)].contiguous(), None, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -119,6 +134,11 @@ def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | N
 def split_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """This rank's equal slice along ``dim`` forward, all-gather backward."""
     return tensor if _alone(group) else _SplitAlong.apply(tensor, dim, group)
+
+
+def gather_for_replicated(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
+    """All-gather along ``dim`` forward, this rank's slice of the gradient backward (identical consumers)."""
+    return tensor if _alone(group) else _GatherForReplicated.apply(tensor, dim, group)
 
 
 def all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> torch.Tensor:

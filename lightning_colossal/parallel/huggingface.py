@@ -10,20 +10,33 @@ Pipeline parallelism: their ``config.base_model_pp_plan`` says the base model is
 recomputes the rotary position embeddings and the causal mask for its layers, as the base model's forward does once
 for all of them; the families accepted for pipelines (``PIPELINE_MODEL_TYPES``) are those whose base forward is
 exactly that (no embedding scaling, no extra per-layer inputs).
+
+[Note: split-gather on Hugging Face decoders]
+These attention modules size their reshapes from their input's sequence length, so the projections cannot gather
+the sequence one by one (as the demo GPT's do). Instead the residual stream, the norms and the embedding output are
+sequence shards, and each attention and MLP block gathers the whole sequence once at its input (backward:
+reduce-scatter of the summed input gradient); its column-parallel projections then take that input as it is and its
+row-parallel projection reduce-scatters back to shards. The base model's forward is replaced by one that builds
+positions, rotary embeddings and masks for the whole sequence and splits the embedding output.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.distributed import differentiable
 from lightning_colossal.parallel.plan_policy import PlanPolicy
-from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
+from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, norm_parameters
 from lightning_colossal.parallel.tensor_parallel import (
+    ColumnParallelLinear,
     ParallelContext,
+    RowParallelLinear,
     TensorParallelPlacement,
     VocabParallelHead,
     shard_of,
@@ -53,8 +66,36 @@ class HuggingFacePlanPolicy(ModelPolicy):
             if getattr(config, attribute, None)
         )
         plan_policy = PlanPolicy(dict(config.base_model_tp_plan), prefix=f"{prefix}." if prefix else "", heads=heads)
-        plan = plan_policy.parallelize(model, context)
+        if not context.split_gather:
+            plan = plan_policy.parallelize(model, context)
+            self._split_head(model, base, context, plan)
+            return plan
+        return self._parallelize_split_gather(model, base, plan_policy, context)
+
+    def _parallelize_split_gather(
+        self, model: nn.Module, base: nn.Module, plan_policy: PlanPolicy, context: ParallelContext
+    ) -> ParallelPlan:
+        """Megatron sequence parallelism (see [Note: split-gather on Hugging Face decoders])."""
+        model_type = getattr(model.config, "model_type", None)  # type: ignore[attr-defined]
+        if model_type not in PIPELINE_MODEL_TYPES:
+            raise ValueError(
+                f"sequence_parallel='split_gather' is built in for Hugging Face {', '.join(PIPELINE_MODEL_TYPES)} models,"
+                f" not '{model_type}': drop sequence_parallel, or pass a ModelPolicy subclass."
+            )
+        plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
+        for module in base.modules():
+            if isinstance(module, ColumnParallelLinear):
+                module.input_gathered = True  # gathered once per attention / MLP block below
+            elif isinstance(module, RowParallelLinear):
+                module.context = context  # reduce-scatter back to sequence shards
+        for layer in base.layers:
+            for block in ("self_attn", "mlp"):
+                module = getattr(layer, block)
+                module.forward = functools.partial(_on_whole_sequence, module.forward, context)
         self._split_head(model, base, context, plan)
+        plan.sequence_partial.extend(norm_parameters(base))
+        head_split = isinstance(getattr(model, "lm_head", None), VocabParallelHead)
+        base.forward = functools.partial(_split_gather_forward, base, context, head_split)
         return plan
 
     @staticmethod
@@ -107,6 +148,11 @@ class HuggingFacePlanPolicy(ModelPolicy):
         self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
     ) -> nn.Module:
         self._check_pipeline(model)
+        if context.split_gather:
+            raise ValueError(
+                "Pipeline stages of Hugging Face models do not run split-gather sequence parallelism yet: use"
+                " pp_size=1 with sequence_parallel='split_gather', or drop sequence_parallel with pp_size > 1."
+            )
         return DecoderStage(model, layer_indices, first, last)
 
     def prune(self, model: nn.Module, keep_layers: set[int], first: bool, last: bool) -> None:
@@ -165,16 +211,74 @@ class DecoderStage(nn.Module):
         return hidden
 
 
-def _causal_masks(config: Any, hidden: Tensor, position_ids: Tensor) -> dict[str, Any]:
-    """The masks the base model's forward builds for a batch without padding (``None`` where attention can use
-    ``is_causal``), by attention type."""
+def _causal_masks(
+    config: Any, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None
+) -> dict[str, Any]:
+    """The masks the base model's forward builds (``None`` where attention can use ``is_causal``), by attention
+    type; ``attention_mask`` marks padding."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None}
+    arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "past_key_values": None}
     masks = {"full_attention": create_causal_mask(**arguments, position_ids=position_ids)}
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments, position_ids=position_ids)
     return masks
+
+
+def _on_whole_sequence(forward: Any, context: ParallelContext, *args: Any, **kwargs: Any) -> Any:
+    """Run an attention or MLP block on the whole sequence gathered from this rank's shard (its column-parallel
+    projections share the one gather; the gather's backward reduce-scatters their summed input gradient)."""
+    if "hidden_states" in kwargs:
+        kwargs["hidden_states"] = differentiable.gather_along(kwargs["hidden_states"], 1, context.tp_group)
+    else:
+        args = (differentiable.gather_along(args[0], 1, context.tp_group), *args[1:])
+    return forward(*args, **kwargs)
+
+
+def _split_gather_forward(
+    base: nn.Module,
+    context: ParallelContext,
+    head_split: bool,
+    input_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    past_key_values: Any = None,
+    inputs_embeds: Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The base decoder's forward with its residual stream in sequence shards (training and evaluation; no KV
+    cache). Positions, rotary embeddings and masks are built for the whole sequence, which attention sees."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    if past_key_values is not None:
+        raise ValueError(
+            "sequence_parallel='split_gather' runs without a KV cache: generate with a model trained this way after"
+            " loading it without sequence parallelism."
+        )
+    if inputs_embeds is None:
+        inputs_embeds = base.embed_tokens(input_ids)
+    length = inputs_embeds.shape[1]
+    if length % context.tp_size != 0:
+        raise ValueError(
+            f"Split-gather sequence parallelism splits the sequence over tp_size={context.tp_size} ranks, but the batch"
+            f" has {length} tokens per sequence: pad or crop to a multiple of {context.tp_size}."
+        )
+    if position_ids is None:
+        position_ids = torch.arange(length, device=inputs_embeds.device).unsqueeze(0)
+    position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
+    masks = _causal_masks(base.config, inputs_embeds, position_ids, attention_mask)
+    layer_types = getattr(base.config, "layer_types", None)
+    hidden = differentiable.split_along(inputs_embeds, 1, context.tp_group)
+    for index, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
+        mask = masks[layer_types[index] if layer_types else "full_attention"]
+        output = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        hidden = output[0] if isinstance(output, tuple) else output
+    hidden = base.norm(hidden)
+    if not head_split:
+        # A whole head runs identically on every rank: it needs the whole sequence, each rank's slice of the gradient.
+        hidden = differentiable.gather_for_replicated(hidden, 1, context.tp_group)
+    return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=None)
 
 
 def _base_model(model: nn.Module) -> tuple[nn.Module, str]:

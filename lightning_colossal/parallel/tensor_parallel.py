@@ -128,8 +128,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None if bias is None else _as_parameter(bias)
         self.context = context
         self.transposed = transposed
+        #: The input is already the whole sequence, gathered once for several layers by a caller whose backward
+        #: reduces the input gradient (split-gather on models whose attention needs the whole sequence).
+        self.input_gathered = False
 
     def forward(self, hidden: Tensor) -> Tensor:
+        if self.input_gathered:
+            output = hidden @ self.weight if self.transposed else F.linear(hidden, self.weight)
+            return output if self.bias is None else output + self.bias
         if self.context.split_gather and self.context.tp_size > 1:
             return _sequence_gathered_linear(hidden, self.weight, self.bias, self.context.tp_group, self.transposed)
         hidden = differentiable.copy_to_group(hidden, self.context.tp_group)

@@ -146,6 +146,24 @@ def test_huggingface_llama_own_loss_with_vocabulary_parallel_head(rank_pool_2):
     _assert_matches(results, bodies.oracle(1, STEPS, kind="llama", model_loss=True))
 
 
+HUGGING_FACE_SPLIT_GATHER = {
+    "untied_own_loss": {"kind": "llama", "model_loss": True},
+    "tied": {"kind": "llama", "tie_weights": True},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HUGGING_FACE_SPLIT_GATHER))
+def test_huggingface_llama_split_gather_sequence_parallelism(rank_pool_2, case):
+    """Residual stream and norms on sequence shards, one gather per attention/MLP block; the head vocabulary-parallel
+    (untied) or whole (tied, gathered with a slicing backward); trains like one process."""
+    pytest.importorskip("transformers")
+    module_kwargs = HUGGING_FACE_SPLIT_GATHER[case]
+    strategy_kwargs = {"tp_size": 2, "sequence_parallel": "split_gather"}
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, module_kwargs, timeout=300)
+    oracle_kwargs = {key: value for key, value in module_kwargs.items() if key != "kind"}
+    _assert_matches(results, bodies.oracle(1, STEPS, kind="llama", **oracle_kwargs))
+
+
 def test_huggingface_llama_tp2_pp2(rank_pool_4):
     """Tensor parallelism from the model's own plan inside pipeline stages (the head whole on the last stage)."""
     pytest.importorskip("transformers")
