@@ -22,6 +22,20 @@ import torch
 from torch import Tensor, nn
 
 
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device (shapes only, no values yet)."""
+    return any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()])
+
+
+def materialise_in_place(tensor: Tensor, device: torch.device) -> None:
+    """Give a meta tensor real (uninitialised) storage without changing its identity (optimizers and modules hold
+    it; tied names stay tied)."""
+    replacement = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    if isinstance(tensor, nn.Parameter):
+        replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
+    torch.utils.swap_tensors(tensor, replacement)
+
+
 def outermost_initialisers(module: nn.Module) -> list[Callable[[], None]]:
     """The initialisers that together cover ``module``: its own, or else those of its children, recursively."""
     for attribute in ("reset_parameters", "init_weights"):

@@ -41,6 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
 from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.initialise import materialise_chunks
@@ -175,10 +176,7 @@ class GeminiEngine:
         return chunked, replicated
 
     def _fill_shards(self, specs: list[ChunkSpec]) -> None:
-        meta = any(parameter.is_meta for parameter in self.module.parameters()) or any(
-            buffer.is_meta for buffer in self.module.buffers()
-        )
-        if meta:
+        if has_meta_tensors(self.module):
             # Every rank runs the same initialisation, window by window, and keeps its rows (initialise.py).
             materialise_chunks(self.module, self.manager, self.compute_device, self.config.init_window_bytes)
         else:

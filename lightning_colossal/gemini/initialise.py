@@ -20,30 +20,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.meta_init import outermost_initialisers
+from lightning_colossal.distributed.meta_init import materialise_in_place, required_initialisers
 from lightning_colossal.gemini.manager import ChunkManager
-
-
-def _materialise_in_place(tensor: torch.Tensor, device: torch.device) -> None:
-    """Give a meta tensor real (uninitialised) storage without changing its identity (optimizers hold it)."""
-    replacement = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    if isinstance(tensor, nn.Parameter):
-        replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-    torch.utils.swap_tensors(tensor, replacement)
 
 
 def materialise_chunks(module: nn.Module, manager: ChunkManager, device: torch.device, window_bytes: int) -> None:
     """Fill every chunk's shard from the model's own initialiser, one window of chunks at a time."""
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_meta:
-            _materialise_in_place(tensor, device)
-    initialisers = outermost_initialisers(module)
-    if not initialisers:
-        raise ValueError(
-            f"{type(module).__name__} was built on the meta device but neither it nor its submodules define"
-            " `reset_parameters()` or `init_weights()`, so there is no way to give its parameters values. Add a"
-            " `reset_parameters()` that initialises every parameter, or build the model without `empty_init=True`."
-        )
+            materialise_in_place(tensor, device)
+    initialisers = required_initialisers(module)
     chunks = manager.chunks
     largest = max((member.numel for chunk in chunks for member in chunk.spec.members), default=0)
     scratch: dict[torch.dtype, torch.Tensor] = {}

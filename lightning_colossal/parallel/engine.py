@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, ZeroConfig
 from lightning_colossal.distributed import collectives, sharded_state
-from lightning_colossal.distributed.meta_init import initialise_in_windows
+from lightning_colossal.distributed.meta_init import has_meta_tensors, initialise_in_windows, materialise_in_place
 from lightning_colossal.distributed.rows import ShardSpec
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.parallel.data_parallel import GradientAverager
@@ -101,7 +101,7 @@ class HybridEngine:
         )
         self._replicate_from_rank_zero()
         # [Note: meta-device models]: the unsplit structure, kept (storage-free) to run the model's own initialiser.
-        template = copy.deepcopy(model) if _has_meta(root) else None
+        template = copy.deepcopy(model) if has_meta_tensors(root) else None
         #: Every weight name of the whole model (pipeline ranks hold only some of them).
         self.whole_model_keys: list[str] = list(root.state_dict().keys())
         #: Position of each parameter (by canonical name) in the whole model's order.
@@ -176,10 +176,7 @@ class HybridEngine:
         materialised: dict[int, Tensor] = {}
         for tensor in live.values():
             if tensor.is_meta and id(tensor) not in materialised:
-                replacement = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-                if isinstance(tensor, nn.Parameter):
-                    replacement = nn.Parameter(replacement, requires_grad=tensor.requires_grad)
-                torch.utils.swap_tensors(tensor, replacement)
+                materialise_in_place(tensor, self.device)
                 materialised[id(tensor)] = tensor
 
         def held(names: list[str]) -> list[Tensor]:
@@ -586,10 +583,6 @@ def stages_of_rank_holding(stage: int, pp_size: int, config: HybridConfig) -> in
         if stage in stages_of_rank(rank, pp_size, config.num_model_chunks, config.pp_schedule):
             return rank
     raise AssertionError(f"stage {stage} is on no rank")
-
-
-def _has_meta(module: nn.Module) -> bool:
-    return any(tensor.is_meta for tensor in [*module.parameters(), *module.buffers()])
 
 
 def _names_by_parameter(root: nn.Module) -> dict[int, list[str]]:

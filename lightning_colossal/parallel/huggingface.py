@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -171,8 +172,8 @@ class HuggingFacePlanPolicy(ModelPolicy):
 class DecoderStage(nn.Module):
     """One pipeline stage of a ``transformers`` decoder: references (never copies) the model's modules it runs.
 
-    The first stage takes token ids, the others hidden states; the last returns the logits (whole: the head is not
-    split), or the final hidden states of a base model without a head.
+    The first stage takes token ids, the others hidden states; the last returns the logits (this rank's vocabulary
+    slice under a vocabulary-parallel head), or the final hidden states of a base model without a head.
     """
 
     def __init__(self, model: nn.Module, layer_indices: list[int], first: bool, last: bool) -> None:
@@ -199,16 +200,28 @@ class DecoderStage(nn.Module):
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(hidden, position_ids)
         masks = _causal_masks(self.config, hidden, position_ids)
-        layer_types = getattr(self.config, "layer_types", None)
-        for index, layer in zip(self.layer_indices, self.layers, strict=True):
-            mask = masks[layer_types[index] if layer_types else "full_attention"]
-            output = layer(
-                hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings
-            )
-            hidden = output[0] if isinstance(output, tuple) else output
+        layers = zip(self.layer_indices, self.layers, strict=True)
+        hidden = _run_layers(self.config, layers, hidden, masks, position_ids, position_embeddings)
         if self.last:
             hidden = self.lm_head(self.norm(hidden))
         return hidden
+
+
+def _run_layers(
+    config: Any,
+    layers: Iterable[tuple[int, nn.Module]],
+    hidden: Tensor,
+    masks: dict[str, Any],
+    position_ids: Tensor,
+    position_embeddings: Any,
+) -> Tensor:
+    """Decoder layers ``(index in the whole model, layer)`` in order, each with the mask of its attention type."""
+    layer_types = getattr(config, "layer_types", None)
+    for index, layer in layers:
+        mask = masks[layer_types[index] if layer_types else "full_attention"]
+        output = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        hidden = output[0] if isinstance(output, tuple) else output
+    return hidden
 
 
 def _causal_masks(
@@ -268,12 +281,9 @@ def _split_gather_forward(
         position_ids = torch.arange(length, device=inputs_embeds.device).unsqueeze(0)
     position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
     masks = _causal_masks(base.config, inputs_embeds, position_ids, attention_mask)
-    layer_types = getattr(base.config, "layer_types", None)
     hidden = differentiable.split_along(inputs_embeds, 1, context.tp_group)
-    for index, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
-        mask = masks[layer_types[index] if layer_types else "full_attention"]
-        output = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
-        hidden = output[0] if isinstance(output, tuple) else output
+    layers = enumerate(base.layers[: base.config.num_hidden_layers])
+    hidden = _run_layers(base.config, layers, hidden, masks, position_ids, position_embeddings)
     hidden = base.norm(hidden)
     if not head_split:
         # A whole head runs identically on every rank: it needs the whole sequence, each rank's slice of the gradient.

@@ -9,8 +9,8 @@ per-op time on CPU, which the tp2 step-time target against Lightning's DTensor-b
 cannot afford; and sequence parallelism needs collectives between ops that a parallel style cannot express. DTensor
 is still used where it pays: the LM head returns its vocabulary-sharded logits as a ``DTensor`` so that torch's
 ``loss_parallel`` computes the cross-entropy without gathering them, and checkpoints describe every shard as a
-``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself is
-not supported yet: the engine assumes plain parameters.
+``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself keeps
+them (``policies.UserTensorParallelPolicy``; ``local_view``/``piece_like`` below serve its pieces).
 """
 
 from __future__ import annotations

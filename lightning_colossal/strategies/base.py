@@ -18,7 +18,8 @@ callbacks, LR schedulers and the precision plugin (loss scaler) from the entries
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -60,6 +61,7 @@ from lightning_colossal.config import (
     validate_start_method,
 )
 from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
+from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
 from lightning_colossal.strategies.launcher import FullWeightsMultiProcessingLauncher
 
@@ -79,6 +81,10 @@ class ColossalStrategy(ParallelStrategy):
 
     #: Registered string name of the strategy (``*_notebook`` is registered too, with ``start_method="fork"``).
     strategy_name: ClassVar[str] = ""
+    #: The engine builds models larger than one rank from the meta device (``Trainer.init_module(empty_init=True)``
+    #: or ``torch.device("meta")`` in ``configure_model``): such a model is materialised shard by shard by the engine,
+    #: never moved whole to the device.
+    materialises_meta_models: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -309,7 +315,20 @@ class ColossalStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
+        if self.materialises_meta_models and has_meta_tensors(self.model):
+            return  # the engine materialises this rank's shards on the device
         self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if not self.materialises_meta_models:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # empty_init=True: shapes only, on the meta device; the engine gives each rank's shards their values.
+        device = torch.device("meta") if empty_init else self.root_device
+        with device, self.precision_plugin.tensor_init_context():
+            yield
 
     # ---------------------------------------------------------------------------------------------- registration
     @classmethod

@@ -46,6 +46,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
         cluster_environment: see ``ColossalStrategy``.
     """
 
+    materialises_meta_models = True  # meta models are materialised per shard after fully_shard
+
     def __init__(
         self,
         wrap_policy: list[str] | Callable[[torch.nn.Module], bool] | None = None,
@@ -143,13 +145,6 @@ class ColossalFSDPStrategy(ColossalStrategy):
         )
         materialize_meta_parameters(module, self.root_device)
         return roots
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True (Trainer.init_module(empty_init=True)): build on the meta device, materialise per shard.
-        device = torch.device("meta") if empty_init else self.root_device
-        with device, self.precision_plugin.tensor_init_context():
-            yield
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

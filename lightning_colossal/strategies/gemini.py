@@ -8,8 +8,7 @@ it the precision plugin's clipping, and maps checkpoints onto the engine's name-
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -49,6 +48,8 @@ class GeminiStrategy(ColossalStrategy):
         process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
         cluster_environment: see ``ColossalStrategy``.
     """
+
+    materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)
 
     def __init__(
         self,
@@ -122,19 +123,6 @@ class GeminiStrategy(ColossalStrategy):
         )
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
-
-    def model_to_device(self) -> None:
-        # Meta parameters (a model larger than one rank) are materialised into chunk shards, not moved.
-        assert self.model is not None
-        if not any(tensor.is_meta for tensor in [*self.model.parameters(), *self.model.buffers()]):
-            self.model.to(self.root_device)
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True (Trainer.init_module(empty_init=True)): shapes only; the engine initialises per chunk.
-        device = torch.device("meta") if empty_init else self.root_device
-        with device, self.precision_plugin.tensor_init_context():
-            yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:

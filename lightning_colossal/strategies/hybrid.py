@@ -52,6 +52,7 @@ class HybridParallelStrategy(ColossalStrategy):
     """
 
     strategy_name = "colossal_hybrid"
+    materialises_meta_models = True  # the engine splits a meta model first (engine.py [Note: meta-device models])
 
     def __init__(
         self,
@@ -146,19 +147,6 @@ class HybridParallelStrategy(ColossalStrategy):
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
 
-    def model_to_device(self) -> None:
-        # A meta-device model is split first and only this rank's pieces are materialised, on the device (engine.py).
-        assert self.model is not None
-        if not any(tensor.is_meta for tensor in [*self.model.parameters(), *self.model.buffers()]):
-            self.model.to(self.root_device)
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # empty_init=True (Trainer.init_module(empty_init=True)): shapes only; each rank initialises its pieces.
-        device = torch.device("meta") if empty_init else self.root_device
-        with device, self.precision_plugin.tensor_init_context():
-            yield
-
     # ---------------------------------------------------------------------------------------------- steps
     def _step_context(self) -> Any:
         # Vocabulary-sharded logits: cross-entropy without gathering them (VocabParallelHead).
@@ -235,11 +223,18 @@ class HybridParallelStrategy(ColossalStrategy):
             " first stage reads the inputs and the last stage passes the targets to `pipeline_loss`."
         )
 
+    def _pipeline_split(self, batch: Any, targets_required: bool = True) -> tuple[Tensor, Any, int]:
+        """(inputs, targets, micro-batch count) of a pipeline batch; a bare tensor is inputs only."""
+        if isinstance(batch, Tensor) and not targets_required:
+            inputs, targets = batch, None
+        else:
+            inputs, targets = self._pipeline_inputs(batch, targets_required)
+        config = self.hybrid_config
+        return inputs, targets, microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+
     def _pipeline_training_step(self, batch: Any, batch_index: int) -> Tensor:
         assert self.engine is not None and self.lightning_module is not None
-        inputs, targets = self._pipeline_inputs(batch)
-        config = self.hybrid_config
-        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        inputs, targets, num_microbatches = self._pipeline_split(batch)
         trainer = self.lightning_module.trainer
         if batch_index % trainer.accumulate_grad_batches == 0:
             # First batch of an accumulation window: Lightning zeroes gradients only after `training_step`, too late
@@ -276,9 +271,7 @@ class HybridParallelStrategy(ColossalStrategy):
         assert self.engine is not None and self.lightning_module is not None
         runner = self.engine.runner
         assert runner is not None and self.engine.groups.pp_group is not None
-        inputs, targets = self._pipeline_inputs(batch)
-        config = self.hybrid_config
-        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        inputs, targets, num_microbatches = self._pipeline_split(batch)
         with self.precision_plugin.val_step_context():
             loss = self.engine.pipeline_evaluate(
                 inputs if runner.holds_first else None, targets, num_microbatches, self.lightning_module.pipeline_loss
@@ -290,9 +283,7 @@ class HybridParallelStrategy(ColossalStrategy):
         assert self.engine is not None and self.lightning_module is not None
         runner = self.engine.runner
         assert runner is not None and self.engine.groups.pp_group is not None
-        inputs = batch if isinstance(batch, Tensor) else self._pipeline_inputs(batch, targets_required=False)[0]
-        config = self.hybrid_config
-        num_microbatches = microbatch_count(inputs.shape[0], config.num_microbatches, config.microbatch_size)
+        inputs, _, num_microbatches = self._pipeline_split(batch, targets_required=False)
         with self.precision_plugin.predict_step_context():
             outputs = self.engine.pipeline_predict(inputs if runner.holds_first else None, num_microbatches)
         prediction = None
@@ -397,12 +388,11 @@ class HybridParallelStrategy(ColossalStrategy):
         if engine.zero is not None:
             engine.zero.load_optimizer_state_by_name(state)
             return
-        parameters = dict(self.lightning_module.named_parameters())
         # Plain parameters take plain state; DTensor parameters (the user's own tensor parallelism) keep DTensor state.
         local = {
             name: {
                 key: value.to_local()
-                if isinstance(value, DTensor) and not isinstance(parameters.get(name), DTensor)
+                if isinstance(value, DTensor) and not isinstance(own.get(name), DTensor)
                 else value
                 for key, value in entries.items()
             }

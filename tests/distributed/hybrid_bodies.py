@@ -214,11 +214,12 @@ def hybrid_train_body(
     steps: int,
     trainer_kwargs: dict[str, Any] | None = None,
     module_kwargs: dict[str, Any] | None = None,
+    module_class: type[TinyGPTModule] = TinyGPTModule,
 ) -> dict[str, Any]:
     from lightning_colossal import HybridParallelStrategy
 
     seed_everything(MODEL_SEED, verbose=False)
-    module = TinyGPTModule(**(module_kwargs or {}))
+    module = module_class(**(module_kwargs or {}))
     strategy = HybridParallelStrategy(**strategy_kwargs)
     trainer = quiet_trainer(
         devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps, **(trainer_kwargs or {})
@@ -364,19 +365,10 @@ def user_tensor_parallel_body(
     strategy_kwargs: dict[str, Any], steps: int, trainer_kwargs: dict[str, Any] | None = None
 ) -> dict[str, Any] | str:
     """Train the user-parallelised GPT; returns weights and losses, or the message of a ValueError/TypeError."""
-    from lightning_colossal import HybridParallelStrategy
-
-    seed_everything(MODEL_SEED, verbose=False)
-    module = UserTensorParallelModule()
-    strategy = HybridParallelStrategy(**strategy_kwargs)
-    trainer = quiet_trainer(
-        devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=steps, **(trainer_kwargs or {})
-    )
     try:
-        trainer.fit(module)
+        return hybrid_train_body(strategy_kwargs, steps, trainer_kwargs, module_class=UserTensorParallelModule)
     except (TypeError, ValueError) as error:
         return str(error)
-    return {"weights": full_weights(module, strategy), "losses": module.step_losses}
 
 
 def sequence_gathered_product_body(autocast: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
