@@ -1,10 +1,10 @@
-"""Command line: turn a sharded lightning_colossal checkpoint directory into one file.
+"""Command line: turn a sharded lightning_colossal checkpoint (its file and shards) into one self-contained file.
 
 Usage::
 
-    python -m lightning_colossal.consolidate CKPT_DIR OUT.safetensors            # weights, safetensors
-    python -m lightning_colossal.consolidate CKPT_DIR OUT.ckpt                   # full Lightning checkpoint
-    python -m lightning_colossal.consolidate CKPT_DIR OUT.pt --weights-only --strip-prefix model.
+    python -m lightning_colossal.consolidate CKPT OUT.safetensors            # weights, safetensors
+    python -m lightning_colossal.consolidate CKPT OUT.ckpt                   # full Lightning checkpoint
+    python -m lightning_colossal.consolidate CKPT OUT.pt --weights-only --strip-prefix model.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from lightning_colossal.checkpoint.consolidate import consolidate
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-colossal-consolidate",
-        description="Write a sharded lightning_colossal checkpoint directory as one file.",
+        description="Write a sharded lightning_colossal checkpoint (its file and .shards directory) as one file.",
     )
-    parser.add_argument("checkpoint", help="the sharded checkpoint directory (e.g. .../checkpoints/last.ckpt)")
+    parser.add_argument(
+        "checkpoint", help="the checkpoint (e.g. .../checkpoints/last.ckpt, with last.ckpt.shards/ next to it)"
+    )
     parser.add_argument(
         "output",
         help="file to write: *.safetensors for weights in safetensors, anything else for a torch file",

@@ -1,9 +1,13 @@
-"""Atomic replacement of a checkpoint path by a fully written staging directory.
+"""Atomic replacement of a checkpoint path by a fully written staging file or directory.
 
 [Note: atomic save]
-A save writes everything into a hidden staging directory next to the target (``.NAME.partial-<id>``). Only when
-every rank has finished writing does rank 0 commit: it renames an existing target aside (``.NAME.replaced-<id>``),
-renames the staging directory onto the target, syncs the parent directory, then deletes the old copy. A crash
+A save writes everything into hidden staging places first: the shards into ``NAME.shards/.partial-<id>``, renamed to
+``NAME.shards/<id>`` when every rank has written, then the checkpoint file into ``.NAME.partial-<id>`` next to the
+target. The commit is one rename of that file onto the target (a file replaces a file atomically), and the file
+names its own shards, so a reader sees either the old checkpoint with its old shards or the new one with its new
+shards. Only after the commit are the previous shards deleted. Where the target is a directory (format 1, or any
+staging directory), rank 0 renames the existing target aside (``.NAME.replaced-<id>``), renames the staging copy
+onto the target, syncs the parent directory, then deletes the old copy. A crash
 before the commit leaves the previous checkpoint untouched and a hidden partial directory that does not look like
 a checkpoint (its name is not the target's). A crash between the two renames leaves the previous checkpoint intact
 under the replaced name, and ``checkpoint_kind`` tells the user how to get it back. The next save into the same
@@ -31,9 +35,22 @@ def remove_leftovers(target: Path) -> None:
         _remove_path(leftover)
 
 
+def remove_staging(target: Path) -> None:
+    """Delete staging copies of ``target`` only: a copy set aside by an interrupted commit is the user's previous
+    checkpoint and stays until the next save (see [Note: atomic save])."""
+    for leftover in leftovers_of_interrupted_save(target):
+        if STAGING_MARKER in leftover.name:
+            _remove_path(leftover)
+
+
 def commit(staging: Path, target: Path) -> None:
     """Make ``staging`` visible as ``target``, replacing whatever was there (see [Note: atomic save])."""
     replaced: Path | None = None
+    if staging.is_file() and (target.is_file() or target.is_symlink() or not target.exists()):
+        # A file replaces a file (or link) in one atomic rename: there is no moment without a checkpoint.
+        os.replace(staging, target)
+        fsync_directory(target.parent)
+        return
     if target.exists() or target.is_symlink():
         replaced = target.parent / f".{target.name}{REPLACED_MARKER}{uuid.uuid4().hex[:12]}"
         os.replace(target, replaced)

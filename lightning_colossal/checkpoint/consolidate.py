@@ -1,4 +1,4 @@
-"""Turning a sharded checkpoint directory into one file.
+"""Turning a sharded checkpoint (its file and shards) into one self-contained file.
 
 This is the one place that deliberately holds a whole model in one process: it runs offline, after training, on
 a machine with enough host memory. Outputs:
@@ -17,31 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_colossal.checkpoint import atomic
 from lightning_colossal.checkpoint.layout import (
     FORMAT_KEY,
     MODEL_KEY,
     CheckpointKind,
-    checkpoint_kind,
+    locate_checkpoint,
     optimizer_key,
 )
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_position
-from lightning_colossal.checkpoint.sharded import load_metadata
+from lightning_colossal.checkpoint.sharded import load_file_weights, load_metadata, read_sharded
 
-
-def read_sharded(path: str | Path, keys: set[str] | None = None) -> dict[str, Any]:
-    """Load a sharded checkpoint's items (all, or the top-level ``keys``) as full tensors in this process."""
-    state: dict[str, Any] = {}
-    # The public dcp.load works on a copy of the dict it is given, so a planner that builds the state from the
-    # checkpoint's own index never reaches the caller; torch's dcp_to_torch_save uses this same entry point.
-    _load_state_dict(
-        state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
-    )
-    return state
+__all__ = ["consolidate", "read_sharded", "strip_name_prefix"]
 
 
 def strip_name_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -62,10 +50,11 @@ def consolidate(
     weights_only: bool = False,
     strip_prefix: str | None = None,
 ) -> Path:
-    """Write the sharded checkpoint directory ``checkpoint`` as the single file ``output``.
+    """Write the sharded checkpoint ``checkpoint`` (its file and shards) as the single file ``output``.
 
     Args:
-        checkpoint: a sharded checkpoint directory written by any lightning_colossal strategy.
+        checkpoint: a checkpoint written by any lightning_colossal strategy (a checkpoint file with its ``.shards``
+            directory next to it, or a format-1 checkpoint directory).
         output: the file to write; a ``.safetensors`` suffix selects safetensors (weights only).
         weights_only: write only ``{name: tensor}`` instead of a full Lightning checkpoint.
         strip_prefix: drop this prefix from parameter names (weights-only outputs only).
@@ -75,7 +64,8 @@ def consolidate(
     """
     checkpoint = Path(checkpoint)
     output = Path(output)
-    if checkpoint_kind(checkpoint) is not CheckpointKind.SHARDED:
+    files = locate_checkpoint(checkpoint)
+    if files.kind is CheckpointKind.FULL:
         raise ValueError(f"{checkpoint} is already a single-file checkpoint; there is nothing to consolidate.")
     as_safetensors = output.suffix == ".safetensors"
     weights_only = weights_only or as_safetensors
@@ -86,8 +76,18 @@ def consolidate(
         )
     if output.exists() and output.is_dir():
         raise IsADirectoryError(f"{output} is a directory: pass a file name such as model.safetensors or full.ckpt.")
+    if output.exists() and output.resolve() == checkpoint.resolve():
+        raise ValueError(f"{output} is the checkpoint itself: write the consolidated file under another name.")
 
-    state = read_sharded(checkpoint, keys={MODEL_KEY} if weights_only else None)
+    if not files.has_shards:
+        if not weights_only:
+            raise FileNotFoundError(
+                f"The sharded training state of {checkpoint} is missing (expected at {files.shards}): copy that"
+                " directory next to the file to write a full checkpoint with optimizer state, or add --weights-only."
+            )
+        state: dict[str, Any] = {MODEL_KEY: dict(load_file_weights(files))}
+    else:
+        state = read_sharded(files.shards, keys={MODEL_KEY} if weights_only else None)
     weights: dict[str, torch.Tensor] = state.get(MODEL_KEY, {})
     if strip_prefix:
         weights = strip_name_prefix(weights, strip_prefix)
@@ -104,7 +104,7 @@ def consolidate(
     if weights_only:
         contents: dict[str, Any] = weights
     else:
-        contents = load_metadata(checkpoint)
+        contents = load_metadata(files)
         contents.pop(FORMAT_KEY, None)
         contents["state_dict"] = weights
         optimizers = []

@@ -1,79 +1,169 @@
-"""Saving and loading sharded checkpoint directories with ``torch.distributed.checkpoint`` (DCP).
+"""Saving and loading checkpoints: the sharded training state with ``torch.distributed.checkpoint`` (DCP) and the
+checkpoint file with the full weights next to it (see ``layout``).
 
 Each rank hands DCP the tensors it holds: full tensors (replicated, DDP), ``DTensor`` shards (FSDP2, tensor
 parallelism) or flat-buffer shards described as DTensors by an engine. DCP's planner spreads replicated items
 over the ranks, so every rank writes a piece and nothing is gathered on one rank. On load, DCP reads the pieces
 each destination tensor needs, whatever layout wrote them: that is what makes resuming at another world size or
 in another strategy work.
+
+The checkpoint file's full weights are read back from the shards just written, by rank 0 alone and from disk, so no
+strategy needs a gather of its own, no rank ever holds more than it did while training except rank 0's host memory
+for one copy of the weights, and the file holds exactly what the consolidate command would give.
 """
 
 from __future__ import annotations
 
-import io
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_colossal.checkpoint import atomic
-from lightning_colossal.checkpoint.layout import META_FILENAME
+from lightning_colossal.checkpoint.layout import (
+    DCP_METADATA_FILENAME,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    META_FILENAME,
+    MODEL_KEY,
+    SHARDS_KEY,
+    STAGING_MARKER,
+    CheckpointFiles,
+    CheckpointKind,
+    locate_checkpoint,
+    read_checkpoint_file,
+    shards_root,
+)
 from lightning_colossal.distributed import collectives
 
 
 def save_sharded(
     path: str | Path, tensor_state: dict[str, Any], metadata: dict[str, Any], group: ProcessGroup | None = None
 ) -> None:
-    """Write a sharded checkpoint at ``path`` atomically; every rank of ``group`` must call this.
+    """Write the checkpoint ``path`` and its shards atomically; every rank of ``group`` must call this.
 
     Args:
-        path: the checkpoint directory to create or replace.
+        path: the checkpoint file to create or replace (its shards go to ``path.shards/<id>/``).
         tensor_state: nested dict of this rank's tensors (and small picklable objects), see ``layout``.
         metadata: Lightning's non-tensor entries; only rank 0's copy is written.
         group: the ranks that share the checkpoint (the default group when ``None``).
     """
-    target = Path(path).absolute()
-    is_writer_of_metadata = collectives.rank(group) == 0
-    staging: Path | None = atomic.staging_path(target) if is_writer_of_metadata else None
-    staging = Path(collectives.broadcast_object(str(staging), source_rank=0, group=group))
-    if is_writer_of_metadata:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        atomic.remove_leftovers(target)
+    entry = Path(path).absolute()
+    root = shards_root(entry)
+    is_committer = collectives.rank(group) == 0
+    save_id = collectives.broadcast_object(uuid.uuid4().hex[:12] if is_committer else None, source_rank=0, group=group)
+    staging = root / f"{STAGING_MARKER}{save_id}"
+    shards = root / save_id
+    if is_committer:
+        if entry.is_dir() and not entry.is_symlink() and any(entry.iterdir()) and not (entry / META_FILENAME).is_file():
+            raise IsADirectoryError(
+                f"Cannot save a checkpoint to {entry}: it is a directory that is not a checkpoint. Pass a file name"
+                " such as `.../last.ckpt`."
+            )
+        root.mkdir(parents=True, exist_ok=True)
+        atomic.remove_leftovers(entry)
         staging.mkdir()
     collectives.barrier(group)
+    committed = False
     try:
         dcp.save(tensor_state, storage_writer=FileSystemWriter(staging), process_group=group)
-        if is_writer_of_metadata:
-            buffer = io.BytesIO()
-            torch.save(metadata, buffer)
-            atomic.write_file_atomically(staging / META_FILENAME, buffer.getvalue())
-            atomic.commit(staging, target)
+        if is_committer:
+            os.replace(staging, shards)
+            contents = dict(metadata)
+            contents["state_dict"] = read_sharded(shards, keys={MODEL_KEY}).get(MODEL_KEY, {})
+            contents[FORMAT_KEY] = {
+                **metadata.get(FORMAT_KEY, {}),
+                "format_version": FORMAT_VERSION,
+                SHARDS_KEY: save_id,
+            }
+            _write_checkpoint_file(entry, contents)
+            committed = True
+            # Only now is the previous save unreferenced; a crash before here left it intact and in use.
+            for older in root.iterdir():
+                if older.name != save_id:
+                    shutil.rmtree(older, ignore_errors=True)
+            atomic.fsync_directory(root)
     except BaseException as error:
-        # DCP raises on every rank when any rank fails to write; leave no staging directory behind.
-        if is_writer_of_metadata:
-            atomic.remove_leftovers(target)
+        # DCP raises on every rank when any rank fails to write; leave no half-written save behind.
+        if is_committer and not committed:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(shards, ignore_errors=True)
+            atomic.remove_staging(entry)
         if isinstance(error, CheckpointException):
             # CheckpointException derives from BaseException and would slip past `except Exception` handlers.
             raise RuntimeError(
-                f"Saving the checkpoint {target} failed on ranks {sorted(error.failures)}; whatever was at that path"
+                f"Saving the checkpoint {entry} failed on ranks {sorted(error.failures)}; whatever was at that path"
                 f" before is intact. First failure: {next(iter(error.failures.values()))!r}"
             ) from error
         raise
     collectives.barrier(group)
 
 
+def _write_checkpoint_file(entry: Path, contents: dict[str, Any]) -> None:
+    """torch.save ``contents`` into a hidden sibling, persist it, then rename it onto ``entry`` (the commit)."""
+    temporary = atomic.staging_path(entry)
+    with open(temporary, "wb") as handle:
+        torch.save(contents, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    atomic.commit(temporary, entry)
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Delete the checkpoint at ``path`` and its shards; a symbolic link is removed alone (its target stays)."""
+    path = Path(path)
+    if path.is_symlink():
+        path.unlink()
+        return
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(shards_root(path), ignore_errors=True)
+
+
 def saved_keys(path: str | Path) -> set[str]:
-    """The flattened keys (``model.<name>``, ``optimizer_0.state.<name>.exp_avg``, ...) stored in a checkpoint."""
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    """The flattened keys (``model.<name>``, ``optimizer_0.state.<name>.exp_avg``, ...) stored in a checkpoint's
+    shards; ``path`` is the checkpoint or its DCP directory."""
+    return set(FileSystemReader(str(shard_directory(path))).read_metadata().state_dict_metadata)
+
+
+def shard_directory(path: str | Path) -> Path:
+    """The DCP directory of the checkpoint at ``path`` (``path`` itself when it is one)."""
+    path = Path(path)
+    if (path / DCP_METADATA_FILENAME).is_file():
+        return path
+    shards = locate_checkpoint(path).shards
+    if shards is None:
+        raise ValueError(f"{path} is a single-file checkpoint: it has no shards.")
+    return shards
+
+
+def read_sharded(path: str | Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """Load a checkpoint's sharded items (all, or the top-level ``keys``) as full tensors in this process; ``path``
+    is the checkpoint or its DCP directory."""
+    shards = shard_directory(path)
+    state: dict[str, Any] = {}
+    # The public dcp.load works on a copy of the dict it is given, so a planner that builds the state from the
+    # checkpoint's own index never reaches the caller; torch's dcp_to_torch_save uses this same entry point.
+    _load_state_dict(
+        state, storage_reader=FileSystemReader(str(shards)), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
+    )
+    return state
 
 
 def load_sharded(
-    path: str | Path, tensor_state: dict[str, Any], allow_partial: bool, group: ProcessGroup | None = None
+    shards: str | Path, tensor_state: dict[str, Any], allow_partial: bool, group: ProcessGroup | None = None
 ) -> None:
-    """Fill ``tensor_state`` in place from the checkpoint at ``path``; every rank of ``group`` must call this.
+    """Fill ``tensor_state`` in place from the DCP directory ``shards``; every rank of ``group`` must call this.
 
     Tensors are copied into the given destination tensors (whatever their sharding); non-tensor values are replaced
     in the dict. With ``allow_partial`` a destination key missing from the checkpoint keeps its current value;
@@ -81,15 +171,25 @@ def load_sharded(
     """
     dcp.load(
         tensor_state,
-        storage_reader=FileSystemReader(str(path)),
+        storage_reader=FileSystemReader(str(shards)),
         planner=DefaultLoadPlanner(allow_partial_load=allow_partial),
         process_group=group,
     )
 
 
-def load_metadata(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-    """Read the Lightning entries (loops, callbacks, schedulers, precision, hyper-parameters) of a checkpoint."""
-    # meta.pt holds Lightning's loop and callback state, which needs full unpickling; honour an explicit choice.
-    return lightning_load(
-        Path(path) / META_FILENAME, map_location="cpu", weights_only=False if weights_only is None else weights_only
-    )
+def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> dict[str, Any]:
+    """Lightning's entries (loops, callbacks, schedulers, precision, hyper-parameters) of a sharded checkpoint.
+
+    The full weights of a checkpoint file are left out: they are memory-mapped and never read here.
+    """
+    # These entries hold Lightning's loop and callback state, which needs full unpickling; honour an explicit choice.
+    if files.kind is CheckpointKind.SHARDED_DIRECTORY:
+        return read_checkpoint_file(files.path / META_FILENAME, weights_only)
+    contents = read_checkpoint_file(files.path, weights_only)
+    contents.pop("state_dict", None)
+    return contents
+
+
+def load_file_weights(files: CheckpointFiles) -> dict[str, torch.Tensor]:
+    """The full weights stored in a checkpoint file (memory-mapped: pages are read as the tensors are used)."""
+    return read_checkpoint_file(files.path)["state_dict"]

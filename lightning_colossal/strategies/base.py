@@ -47,13 +47,21 @@ from lightning_colossal.checkpoint.layout import (
     FORMAT_VERSION,
     MODEL_KEY,
     RNG_KEY,
+    CheckpointFiles,
     CheckpointKind,
-    checkpoint_kind,
+    locate_checkpoint,
     optimizer_key,
     rng_key,
 )
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_name
-from lightning_colossal.checkpoint.sharded import load_metadata, load_sharded, save_sharded, saved_keys
+from lightning_colossal.checkpoint.sharded import (
+    load_file_weights,
+    load_metadata,
+    load_sharded,
+    remove_checkpoint,
+    save_sharded,
+    saved_keys,
+)
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     LossScalerConfig,
@@ -423,25 +431,51 @@ class ColossalStrategy(ParallelStrategy):
         }
         save_sharded(path, tensor_state, checkpoint)
 
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        # A checkpoint is its file and its shards directory (see checkpoint/layout.py); Lightning would delete the file.
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
+
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         trainer = self.lightning_module._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         strict = self.lightning_module.strict_loading
-        if checkpoint_kind(path) is CheckpointKind.SHARDED:
-            return self._load_sharded_checkpoint(path, weights_only, fitting, strict)
-        return self._load_full_checkpoint(path, weights_only, fitting, strict)
+        files = locate_checkpoint(path)
+        if files.kind is CheckpointKind.FULL:
+            return self._load_full_checkpoint(path, weights_only, fitting, strict)
+        if not files.has_shards:
+            return self._load_checkpoint_file_without_shards(files, weights_only, fitting, strict)
+        return self._load_sharded_checkpoint(files, weights_only, fitting, strict)
+
+    def _load_checkpoint_file_without_shards(
+        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        """A checkpoint file copied without its shards: its full weights serve validate/test/predict, not resuming."""
+        if fitting:
+            raise FileNotFoundError(
+                f"{files.path} holds the full weights, but its sharded training state (optimizer, random state) is"
+                f" missing: expected at {files.shards}. Copy that directory next to the file to resume, or start a new"
+                " run from these weights: `Module.load_from_checkpoint(path)`, then `trainer.fit(module)` without"
+                " ckpt_path."
+            )
+        self._load_full_model_state(load_file_weights(files), strict)
+        metadata = load_metadata(files, weights_only)
+        metadata.pop(FORMAT_KEY, None)
+        return metadata
 
     def _load_sharded_checkpoint(
-        self, path: Path, weights_only: bool | None, fitting: bool, strict: bool
+        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
     ) -> dict[str, Any]:
-        available = saved_keys(path)
+        path, shards = files.path, files.shards
+        assert shards is not None
+        available = saved_keys(shards)
         model_state = self.model_state_for_checkpoint()
         _check_model_keys(
             path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict
         )
-        metadata = load_metadata(path, weights_only)
+        metadata = load_metadata(files, weights_only)
         tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
         optimizers = self.optimizers if fitting else []
         if optimizers:
@@ -453,7 +487,7 @@ class ColossalStrategy(ParallelStrategy):
         restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
         if restores_rng:
             tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
-        load_sharded(path, tensor_state, allow_partial=not strict)
+        load_sharded(shards, tensor_state, allow_partial=not strict)
         self._on_model_state_loaded()
         for index, optimizer in enumerate(optimizers):
             self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
 from lightning_colossal.checkpoint import consolidate
+from lightning_colossal.checkpoint.sharded import shard_directory
 from lightning_colossal.checkpoint.layout import leftovers_of_interrupted_save
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
 
@@ -62,8 +63,8 @@ def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path):
     reference = rank_pool_2.run(uninterrupted_body, 0.1)
     path = str(tmp_path / "epoch1.ckpt")
     rank_pool_2.run(save_after_one_epoch_body, path)
-    assert (Path(path) / "meta.pt").is_file()
-    assert len(list(Path(path).glob("*.distcp"))) == 2, "each rank writes its own piece"
+    assert Path(path).is_file(), "load_from_checkpoint needs a file"
+    assert len(list(shard_directory(path).glob("*.distcp"))) == 2, "each rank writes its own piece"
     resumed = rank_pool_2.run(resume_body, path)
     for rank in range(2):
         # Same processes, same order of operations, RNG (dropout), sampler epoch and LR schedule restored: exact.
@@ -89,7 +90,8 @@ def model_checkpoint_body(directory: str) -> list[str]:
 
 def test_model_checkpoint_callback_writes_sharded_directories(rank_pool_2, tmp_path):
     names = rank_pool_2.run(model_checkpoint_body, str(tmp_path))[0]
-    assert names == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    checkpoints = ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
+    assert names == sorted(checkpoints + [f"{name}.shards" for name in checkpoints])
     reference = rank_pool_2.run(uninterrupted_body, 0.1)
     # Resuming from a mid-epoch checkpoint runs; Lightning restarts the epoch's data, so only check it trains on.
     resumed = rank_pool_2.run(resume_body, str(tmp_path / "last.ckpt"))
@@ -264,7 +266,12 @@ def keep_latest_body(directory: str) -> list[str]:
 
 
 def test_model_checkpoint_removes_superseded_checkpoint_directories(rank_pool_2, tmp_path):
-    assert rank_pool_2.run(keep_latest_body, str(tmp_path))[0] == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert rank_pool_2.run(keep_latest_body, str(tmp_path))[0] == [
+        "epoch=0-step=6.ckpt",
+        "epoch=0-step=6.ckpt.shards",
+        "last.ckpt",
+        "last.ckpt.shards",
+    ]
 
 
 def gpt_body(directory: str, resume_from: str | None) -> dict[str, torch.Tensor]:
@@ -297,6 +304,6 @@ def gpt_body(directory: str, resume_from: str | None) -> dict[str, torch.Tensor]
 def test_tied_weights_gpt_resumes_identically(rank_pool_2, tmp_path):
     reference = rank_pool_2.run(gpt_body, str(tmp_path / "first"), None)
     epoch_end = tmp_path / "first" / "epoch=0-step=4.ckpt"
-    assert epoch_end.is_dir()
+    assert epoch_end.is_file() and shard_directory(epoch_end).is_dir()
     resumed = rank_pool_2.run(gpt_body, str(tmp_path / "second"), str(epoch_end))
     torch.testing.assert_close(resumed[0], reference[0], rtol=0, atol=0)

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from lightning_colossal.checkpoint import is_sharded_checkpoint
+from lightning_colossal.checkpoint.sharded import shard_directory
 from tests.fresh_interpreter import run_python
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,13 @@ def test_demo_cli_trains_on_two_cpu_processes_and_checkpoints(tmp_path):
     assert "Starting with 2 processes" in result.stdout + result.stderr, "the popen launcher did not start 2 ranks"
     checkpoints = list(tmp_path.rglob("last.ckpt"))
     assert len(checkpoints) == 1 and is_sharded_checkpoint(checkpoints[0])
-    assert len(list(checkpoints[0].glob("*.distcp"))) == 2
+    assert len(list(shard_directory(checkpoints[0]).glob("*.distcp"))) == 2
+    # The demo's own last.ckpt opens with the demo's class, as users load a trained model.
+    from lightning_colossal.demo.module import GPTLightningModule
+
+    trained = GPTLightningModule.load_from_checkpoint(checkpoints[0])
+    assert trained.hparams.embed_dim == 32 and trained.model is not None
+    assert trained.model.token_embedding.weight.shape[1] == 32
     metrics_files = list(tmp_path.rglob("metrics.csv"))
     assert metrics_files, "no CSV metrics were logged"
     with open(metrics_files[0]) as handle:

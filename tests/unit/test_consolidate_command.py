@@ -62,3 +62,16 @@ def test_errors_exit_2_and_name_the_fix(sharded_checkpoint, tmp_path, capsys, ar
     filled = [argument.format(checkpoint=sharded_checkpoint, tmp=tmp_path) for argument in arguments]
     assert main(filled) == 2
     assert message in capsys.readouterr().err
+
+
+def test_file_copied_without_its_shards_still_gives_its_weights(sharded_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from lightning_colossal.checkpoint.layout import shards_root
+
+    shutil.rmtree(shards_root(sharded_checkpoint))
+    output = tmp_path / "weights.pt"
+    assert main([str(sharded_checkpoint), str(output), "--weights-only"]) == 0
+    torch.testing.assert_close(torch.load(output, weights_only=True), WEIGHTS)
+    assert main([str(sharded_checkpoint), str(tmp_path / "full.ckpt")]) == 2
+    assert "copy that directory next to the file" in capsys.readouterr().err
