@@ -477,6 +477,36 @@ class HybridEngine:
             state[name] = self.whole_tensor_of(value, key) if key in parameter_keys else value
         return state
 
+    def full_weights(self) -> dict[str, Tensor]:
+        """The whole model's weights by the root's names, as plain CPU copies, on every rank.
+
+        Tensor-parallel shards are gathered over the tp ranks and the stages' weights merged over the pipeline ranks
+        (collectives over both: every rank must call it). A weight tied across stages appears under each of its
+        names, as in the unsplit model's ``state_dict``.
+        """
+        whole_by_key: dict[int, Tensor] = {}
+        held: dict[str, Tensor] = {}
+        with torch.no_grad():
+            # Every tensor-parallel peer holds the same names in the same order, so the gathers pair up.
+            for name, value in self.root.state_dict().items():
+                key = _key_of(self.root, name)
+                if key not in whole_by_key:
+                    placement = self.plan.placements.get(key)
+                    if isinstance(value, DTensor):
+                        whole = value.full_tensor()
+                    elif placement is not None:
+                        whole = full_from_shards(value, placement, self.context.tp_group)
+                    else:
+                        whole = value
+                    whole_by_key[key] = whole.detach().to("cpu", copy=True)
+                # A tied weight pruned from this stage under one name is still held under the other.
+                for alias in self.names_of.get(key, [name]):
+                    held[alias] = whole_by_key[key]
+        if self.groups.pp_group is not None and self.groups.pp_size > 1:
+            for stage_weights in collectives.gather_objects(held, self.groups.pp_group):
+                held.update(stage_weights)
+        return {name: held[name] for name in self.whole_model_keys if name in held}
+
     def _describe_master(self, entry: ShardedMaster, value: Tensor) -> Tensor:
         """A ZeRO shard (rows over dp x sp) of a tensor-parallel shard as one DTensor of the whole parameter."""
         parameter = self.root.get_parameter(entry.name)

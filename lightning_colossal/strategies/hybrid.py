@@ -146,6 +146,12 @@ class HybridParallelStrategy(ColossalStrategy):
             self.engine.attach_optimizer(optimizer)
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
+        _log_plain_values(self.lightning_module)
+
+    def teardown(self) -> None:
+        if self.lightning_module is not None:
+            _stop_logging_plain_values(self.lightning_module)
+        super().teardown()
 
     # ---------------------------------------------------------------------------------------------- steps
     def _step_context(self) -> Any:
@@ -180,29 +186,28 @@ class HybridParallelStrategy(ColossalStrategy):
         if self.pipelined:
             return self._pipeline_training_step(args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         with self._step_context():
-            output = super().training_step(*args, **kwargs)
-        return _local_loss(output)
+            return _plain(super().training_step(*args, **kwargs))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._with_split_batch(args)
         if self.pipelined:
             return self._pipeline_evaluation_step(args[0])
         with self._step_context():
-            return _local_loss(super().validation_step(*args, **kwargs))
+            return _plain(super().validation_step(*args, **kwargs))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._with_split_batch(args)
         if self.pipelined:
             return self._pipeline_evaluation_step(args[0])
         with self._step_context():
-            return _local_loss(super().test_step(*args, **kwargs))
+            return _plain(super().test_step(*args, **kwargs))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._with_split_batch(args)
         if self.pipelined:
             return self._pipeline_prediction_step(args[0])
         with self._step_context():
-            return super().predict_step(*args, **kwargs)
+            return _plain(super().predict_step(*args, **kwargs))
 
     def _pipeline_inputs(self, batch: Any, targets_required: bool = True) -> tuple[Tensor, Any]:
         if isinstance(batch, (tuple, list)) and (len(batch) == 2 or (batch and not targets_required)):
@@ -356,6 +361,12 @@ class HybridParallelStrategy(ColossalStrategy):
         assert self.engine is not None
         self.engine.load_full_weights(state_dict, strict)
 
+    def full_model_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's weights as plain CPU tensors under the LightningModule's names, on every rank: the
+        tensor-parallel shards gathered and every pipeline stage's weights merged (a collective over all ranks)."""
+        assert self.engine is not None, "the model is parallelised in `setup`; call this after `trainer.fit` & co."
+        return self.engine.full_weights()
+
     def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None and self.lightning_module is not None
         engine = self.engine
@@ -363,11 +374,19 @@ class HybridParallelStrategy(ColossalStrategy):
             state = engine.zero.optimizer_state_by_name()
         else:
             state = get_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer))
-            for name, entries in state["state"].items():
-                key = id(self.lightning_module.get_parameter(name))
-                for state_key, value in list(entries.items()):
-                    if isinstance(value, Tensor) and value.dim() > 0:
-                        entries[state_key] = engine.whole_tensor_of(value, key)
+            # The per-parameter dicts are the optimizer's own (``Optimizer.state_dict`` does not copy them), so the
+            # descriptions go into new dicts: writing them back would leave DTensors in the live state, and the next
+            # step (or a second description of a tied weight) would fail on them. The tensors inside still alias
+            # the live state, which loading relies on.
+            state["state"] = {
+                name: {
+                    state_key: engine.whole_tensor_of(value, id(self.lightning_module.get_parameter(name)))
+                    if isinstance(value, Tensor) and value.dim() > 0
+                    else value
+                    for state_key, value in entries.items()
+                }
+                for name, entries in state["state"].items()
+            }
         canonical = engine.rename_optimizer_state(state, to_canonical=True)
         return {"state": canonical["state"], "param_groups": engine.whole_model_param_groups(canonical["param_groups"])}
 
@@ -407,10 +426,35 @@ class HybridParallelStrategy(ColossalStrategy):
         return [(cls.strategy_name, {})]
 
 
-def _local_loss(output: Any) -> Any:
-    """A loss computed under ``loss_parallel`` is a replicated DTensor; Lightning and loggers get a plain tensor."""
-    if isinstance(output, DTensor):
-        return output.to_local()
-    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
-        return {**output, "loss": output["loss"].to_local()}
-    return output
+def _plain(output: Any) -> Any:
+    """Step outputs with every ``DTensor`` as the plain tensor of its whole value.
+
+    A loss computed under ``loss_parallel`` is a replicated DTensor (its own value, differentiably), and the
+    vocabulary-sharded logits a ``predict_step`` returns are gathered here: Lightning, callbacks and the predictions
+    ``trainer.predict`` returns get what the same module gives without tensor parallelism.
+    """
+    return apply_to_collection(output, DTensor, lambda tensor: tensor.full_tensor())
+
+
+def _log_plain_values(module: pl.LightningModule) -> None:
+    """Make ``module.log`` (and ``log_dict``, which calls it) store plain tensors rather than DTensors.
+
+    A loss the user logs inside a step under tensor parallelism is a DTensor (``loss_parallel``); Lightning would
+    keep it as such in ``callback_metrics``, ``logged_metrics`` and the progress bar, where a DTensor is of no use
+    outside the ranks' process group (loggers, a notebook's parent process). Lightning has no hook between ``self.log`` and its metric store, so the
+    bound method is shadowed on this instance for the strategy's lifetime (undone in ``teardown``).
+    """
+    if getattr(module.__dict__.get("log"), "logs_plain_values", False):
+        return
+    log = module.log
+
+    def log_plain_values(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        log(name, _plain(value), *args, **kwargs)
+
+    log_plain_values.logs_plain_values = True  # type: ignore[attr-defined]
+    module.log = log_plain_values  # type: ignore[method-assign]
+
+
+def _stop_logging_plain_values(module: pl.LightningModule) -> None:
+    if getattr(module.__dict__.get("log"), "logs_plain_values", False):
+        del module.__dict__["log"]

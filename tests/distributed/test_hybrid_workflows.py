@@ -1,0 +1,229 @@
+"""User workflows of ``colossal_hybrid`` through Lightning's real ``Trainer`` (issue 12).
+
+- Checkpointing mid-run (the default ``ModelCheckpoint``) leaves training untouched, and the checkpoint resumes:
+  tp2 with every valid ZeRO stage on the demo GPT and a tiny Hugging Face Llama, and pp2 without ZeRO. Both the
+  uninterrupted run and the resumed run must land on the single-process oracle's weights.
+- What the user sees is plain tensors: ``self.log`` values in the trainer's metrics, step outputs, predictions.
+- After ``fit``/``validate``/``test``/``predict`` the module keeps its parallel form (docs/hybrid.md, "What you get
+  back"), holds no ``DTensor``, and ``strategy.full_model_state_dict()`` gives the whole model's weights.
+
+One epoch is 4 optimizer steps (32 samples, 8 per step at data-parallel size 1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from tests.distributed import hybrid_bodies as bodies
+from tests.distributed.oracle import quiet_trainer
+
+STEPS_PER_EPOCH = 4
+BATCH_SIZE = 8
+
+
+# ---------------------------------------------------------------------------------------------- bodies
+def _fit(strategy_kwargs: dict[str, Any], kind: str, directory: str | None, resume_from: str | None) -> dict[str, Any]:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = bodies.TinyGPTModule(batch_size=BATCH_SIZE, kind=kind)
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    # The default checkpoint callback, kept for every epoch: epoch 1's file is saved while training goes on.
+    callbacks = [ModelCheckpoint(dirpath=directory, save_top_k=-1)] if directory is not None else []
+    trainer = quiet_trainer(
+        devices=torch.distributed.get_world_size(),
+        strategy=strategy,
+        max_epochs=2,
+        enable_checkpointing=directory is not None,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, ckpt_path=resume_from)
+    return {"weights": bodies.full_weights(module, strategy), "losses": module.step_losses}
+
+
+def save_continue_resume_body(strategy_kwargs: dict[str, Any], kind: str, directory: str) -> dict[str, Any]:
+    """Two epochs checkpointing after each, then a fresh run resumed from the end of epoch 1."""
+    uninterrupted = _fit(strategy_kwargs, kind, directory, None)
+    resumed = _fit(strategy_kwargs, kind, None, os.path.join(directory, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"))
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+class LoggingModule(bodies.TinyGPTModule):
+    """Logs its losses inside the steps (DTensors under tensor parallelism) and records what the hooks receive."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.received: list[str] = []
+
+    def _record(self, hook: str, outputs: Any) -> None:
+        values = outputs.values() if isinstance(outputs, dict) else [outputs]
+        self.received += [f"{hook}: {type(value).__name__}" for value in values]
+
+    def training_step(self, batch: Any, batch_index: int) -> Any:
+        loss = super().training_step(batch, batch_index)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log_dict({"train_loss_again": loss})
+        return {"loss": loss, "detached": loss.detach()}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_index: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_index)
+        self._record("on_train_batch_end", outputs)
+        self.log("train_loss_hook", outputs["loss"])
+
+    def validation_step(self, batch: Any, batch_index: int) -> Any:
+        loss = super().validation_step(batch, batch_index)
+        self.log("val_step_loss", loss, prog_bar=True)
+        return {"loss": loss}
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_index: int, dataloader_index: int = 0) -> None:
+        # Pipelines run no validation_step: the outputs are the batch's loss.
+        self._record(f"on_{self.trainer.state.stage.value}_batch_end", outputs)
+        self.log("val_loss", outputs["loss"] if isinstance(outputs, dict) else outputs)
+
+    def test_step(self, batch: Any, batch_index: int) -> Any:
+        return self.validation_step(batch, batch_index)
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_index: int, dataloader_index: int = 0) -> None:
+        self.on_validation_batch_end(outputs, batch, batch_index, dataloader_index)
+
+
+def _metric_types(trainer: Any) -> dict[str, str]:
+    return {
+        f"{collection} {name}": type(value).__name__
+        for collection in ("callback_metrics", "logged_metrics", "progress_bar_metrics")
+        for name, value in getattr(trainer, collection).items()
+    }
+
+
+def _dtensors_in_module(module: torch.nn.Module) -> list[str]:
+    return [name for name, value in module.state_dict().items() if isinstance(value, DTensor)]
+
+
+def plain_values_body(strategy_kwargs: dict[str, Any], directory: str, kind: str) -> dict[str, Any]:
+    """Fit two steps (validating once), then validate, test and predict; report the types the user saw."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = LoggingModule(batch_size=BATCH_SIZE, kind=kind)
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(
+        devices=torch.distributed.get_world_size(),
+        strategy=strategy,
+        max_steps=2,
+        val_check_interval=2,
+        limit_val_batches=1,
+        limit_test_batches=1,
+        limit_predict_batches=2,
+        log_every_n_steps=1,
+        logger=CSVLogger(directory),
+    )
+    loader = DataLoader(bodies.token_dataset(), batch_size=BATCH_SIZE)
+    report: dict[str, Any] = {"metric types": {}, "module DTensors": {}}
+    trainer.fit(module)
+    report["metric types"]["fit"] = _metric_types(trainer)
+    report["module DTensors"]["fit"] = _dtensors_in_module(module)
+    report["full weights"] = strategy.full_model_state_dict()
+    report["validate"] = trainer.validate(module, loader, verbose=False)
+    report["metric types"]["validate"] = _metric_types(trainer)
+    report["module DTensors"]["validate"] = _dtensors_in_module(module)
+    trainer.test(module, loader, verbose=False)
+    report["metric types"]["test"] = _metric_types(trainer)
+    report["module DTensors"]["test"] = _dtensors_in_module(module)
+    predictions = trainer.predict(module, loader)
+    report["module DTensors"]["predict"] = _dtensors_in_module(module)
+    report["prediction types"] = [type(prediction).__name__ for prediction in predictions]
+    report["predictions"] = [prediction.detach().float().cpu() for prediction in predictions]
+    report["received"] = module.received
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def _assert_weights(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], label: str) -> None:
+    assert set(got) == set(expected), f"{label}: {sorted(set(got) ^ set(expected))}"
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            got[name], value, atol=1e-4, rtol=1e-4, msg=lambda message, name=name: f"{label} {name}: {message}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [
+        ("gpt", {"tp_size": 2}),
+        ("gpt", {"tp_size": 2, "zero_stage": 1}),
+        ("gpt", {"tp_size": 2, "zero_stage": 2}),
+        ("llama", {"tp_size": 2}),
+        ("llama", {"tp_size": 2, "zero_stage": 1}),
+        ("llama", {"tp_size": 2, "zero_stage": 2}),
+        ("gpt", {"pp_size": 2, "num_microbatches": 2}),
+        ("llama", {"pp_size": 2, "num_microbatches": 2}),
+    ],
+    ids=[
+        "gpt-tp2",
+        "gpt-tp2-zero1",
+        "gpt-tp2-zero2",
+        "llama-tp2",
+        "llama-tp2-zero1",
+        "llama-tp2-zero2",
+        "gpt-pp2",
+        "llama-pp2",
+    ],
+)
+def test_checkpoint_mid_run_then_continue_and_resume(rank_pool_2, tmp_path, kind, layout):
+    if kind == "llama":
+        pytest.importorskip("transformers")
+    results = rank_pool_2.run(save_continue_resume_body, layout, kind, str(tmp_path), timeout=300)
+    reference = bodies.oracle(1, 2 * STEPS_PER_EPOCH, batch_size=BATCH_SIZE, kind=kind)
+    for run in ("uninterrupted", "resumed"):
+        _assert_weights(bodies.merged_weights([result[run] for result in results]), reference["weights"], run)
+    second_epoch = torch.tensor(reference["losses"][STEPS_PER_EPOCH:])
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["resumed"]["losses"]), second_epoch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [
+        ("gpt", {"tp_size": 2}),
+        ("gpt", {"tp_size": 2, "sequence_parallel": "split_gather"}),
+        ("llama", {"tp_size": 2, "zero_stage": 1}),
+        ("gpt", {"pp_size": 2, "num_microbatches": 2}),
+    ],
+    ids=["gpt-tp2", "gpt-tp2-split-gather", "llama-tp2-zero1", "gpt-pp2"],
+)
+def test_metrics_outputs_predictions_and_weights_after_fit_are_plain(rank_pool_2, tmp_path, kind, layout):
+    """Logged values, step outputs and predictions are plain tensors; after every Trainer call the module holds no
+    DTensor, and ``full_model_state_dict`` is the oracle's whole model (which gives the same predictions)."""
+    if kind == "llama":
+        pytest.importorskip("transformers")
+    results = rank_pool_2.run(plain_values_body, layout, str(tmp_path), kind, timeout=300)
+    reference = bodies.oracle(1, 2, batch_size=BATCH_SIZE, kind=kind)
+    whole_model = bodies.build_model(kind)
+    whole_model.load_state_dict({name.removeprefix("model."): value for name, value in reference["weights"].items()})
+    inputs, _ = bodies.token_dataset().tensors
+    with torch.no_grad():
+        expected_predictions = [bodies.logits_of(whole_model, batch) for batch in inputs[: 2 * BATCH_SIZE].split(8)]
+    for rank, result in enumerate(results):
+        for call, types in result["metric types"].items():
+            # (Lightning turns progress-bar values into Python floats.)
+            assert types and set(types.values()) <= {"Tensor", "float"}, f"rank {rank} after {call}: {types}"
+        assert "callback_metrics val_loss" in result["metric types"]["test"]
+        if "pp_size" not in layout:
+            assert "progress_bar_metrics train_loss" in result["metric types"]["fit"]
+        assert result["received"] and {entry.split(": ")[1] for entry in result["received"]} == {"Tensor"}
+        assert result["prediction types"] == ["Tensor", "Tensor"]
+        assert not any(result["module DTensors"].values()), result["module DTensors"]
+        # Every rank gets the whole model, under the unsplit model's names.
+        _assert_weights(result["full weights"], reference["weights"], f"rank {rank} full_model_state_dict")
+        for got, expected in zip(result["predictions"], expected_predictions, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
