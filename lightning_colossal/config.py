@@ -84,7 +84,11 @@ class DDPConfig:
         gradient_as_bucket_view: let ``param.grad`` alias the communication buckets (saves one gradient copy).
         static_graph: promise that the set of used parameters is the same every step (enables optimisations).
         find_unused_parameters: traverse the autograd graph each step to find parameters that got no gradient.
-        broadcast_buffers: broadcast module buffers from rank 0 at every forward.
+        forward_sync_buffers: broadcast module buffers from rank 0 at every forward (buffers are always
+            broadcast once when the model is wrapped).
+        broadcast_buffers: deprecated by torch in favour of ``forward_sync_buffers``; ``None`` (the default) when not
+            given. ``False`` still means what it means to torch: buffers are neither synced at every forward nor
+            when the model is wrapped (rank-local buffers), which ``forward_sync_buffers=False`` cannot express.
         gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision, or ``None``.
     """
 
@@ -92,7 +96,8 @@ class DDPConfig:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
     find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
+    forward_sync_buffers: bool = True
+    broadcast_buffers: bool | None = None
     gradient_compression: GradientCompression | None = None
 
     def __post_init__(self) -> None:
@@ -100,6 +105,11 @@ class DDPConfig:
             raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb}: pass a positive size in MiB, e.g. 25.")
         if self.gradient_compression not in (None, "fp16", "bf16"):
             raise ValueError(f"gradient_compression={self.gradient_compression!r}: pass None, 'fp16' or 'bf16'.")
+        if self.broadcast_buffers is not None and not self.forward_sync_buffers:
+            raise ValueError(
+                f"broadcast_buffers={self.broadcast_buffers} and forward_sync_buffers=False: pass only"
+                " forward_sync_buffers (broadcast_buffers is deprecated by torch)."
+            )
         if self.static_graph and self.find_unused_parameters:
             # torch accepts both, but static_graph already records unused parameters once; searching every step
             # again only costs time. Refuse so the user picks the behaviour they mean.

@@ -236,6 +236,13 @@ class GeminiEngine:
                 if parameter.requires_grad:
                     self._handles.append(parameter.register_post_accumulate_grad_hook(self._on_gradient))
 
+    def whole_numel(self, parameter: Tensor) -> int:
+        """Elements of ``parameter`` as the model defines it, also while it is an empty placeholder between gathers."""
+        if id(parameter) not in self.chunk_of:
+            return parameter.numel()  # frozen or replicated: whole on every rank
+        chunk, position = self.chunk_of[id(parameter)]
+        return chunk.spec.members[position].numel
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -249,17 +256,22 @@ class GeminiEngine:
         pointers = {parameter.data_ptr() for parameter in self.module.parameters()}
         return self.tracer.saving_context(pointers)
 
+    # [Note: hooks under torch.compile]
+    # The hooks gather chunks and swap each parameter's ``.data`` between an empty placeholder and its gathered view.
+    # Traced by dynamo, that swap becomes a ``set_`` on a graph input, which AOTAutograd cannot keep in the graph and
+    # inductor then compiles against the placeholder's shape (a 1-D empty tensor). Run eagerly instead: a compiled
+    # model breaks its graph at each hooked module and its compiled pieces see the gathered parameters, as eager does.
     def _forward_pre_hook(self, module_id: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
             self._before_forward(module_id)
 
-        return hook
+        return torch.compiler.disable(hook)
 
     def _forward_hook(self, module_id: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._after_forward(module_id, output)
 
-        return hook
+        return torch.compiler.disable(hook)
 
     def _before_forward(self, module_id: int) -> None:
         needed = self._module_chunks[module_id]

@@ -8,6 +8,7 @@ accumulation communicates only on the last micro-batch: Lightning wraps the othe
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -40,7 +41,9 @@ class ColossalDDPStrategy(ColossalStrategy):
         gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient copy less).
         static_graph: the set of used parameters never changes between steps.
         find_unused_parameters: search for parameters without gradient every step (needed when some are unused).
-        broadcast_buffers: broadcast buffers from rank 0 before every forward.
+        forward_sync_buffers: broadcast buffers from rank 0 before every forward (default ``True``).
+        broadcast_buffers: deprecated (as in torch's DDP): use ``forward_sync_buffers``. Keep
+            ``broadcast_buffers=False`` only for rank-local buffers that must not be synced when the model is wrapped.
         gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision.
         process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
         cluster_environment: see ``ColossalStrategy``.
@@ -54,7 +57,8 @@ class ColossalDDPStrategy(ColossalStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        broadcast_buffers: bool = True,
+        forward_sync_buffers: bool | None = None,
+        broadcast_buffers: bool | None = None,
         gradient_compression: GradientCompression | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
@@ -74,11 +78,27 @@ class ColossalDDPStrategy(ColossalStrategy):
             loss_scaler=loss_scaler,
         )
         self._forward_redirection = _ManualOptimizationAwareRedirection()
+        if broadcast_buffers is not None:
+            if forward_sync_buffers is not None:
+                raise ValueError(
+                    f"ColossalDDPStrategy(broadcast_buffers={broadcast_buffers},"
+                    f" forward_sync_buffers={forward_sync_buffers}): pass only forward_sync_buffers (broadcast_buffers"
+                    " is deprecated by torch)."
+                )
+            # Said once, here, where the user passed it; torch's own warning about it is silenced in `_wrap`.
+            warnings.warn(
+                f"ColossalDDPStrategy(broadcast_buffers={broadcast_buffers}) is deprecated, as in torch's"
+                f" DistributedDataParallel: pass forward_sync_buffers={broadcast_buffers} instead. Only keep"
+                " broadcast_buffers=False if buffers must also stay rank-local when the model is wrapped.",
+                FutureWarning,
+                stacklevel=2,
+            )
         self.ddp_config = DDPConfig(
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
+            forward_sync_buffers=forward_sync_buffers if forward_sync_buffers is not None else True,
             broadcast_buffers=broadcast_buffers,
             gradient_compression=gradient_compression,
         )
@@ -101,15 +121,24 @@ class ColossalDDPStrategy(ColossalStrategy):
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         config = self.ddp_config
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        wrapped = DistributedDataParallel(
-            module,
-            device_ids=device_ids,
-            bucket_cap_mb=config.bucket_cap_mb,
-            gradient_as_bucket_view=config.gradient_as_bucket_view,
-            static_graph=config.static_graph,
-            find_unused_parameters=config.find_unused_parameters,
-            broadcast_buffers=config.broadcast_buffers,
+        # torch warns whenever DDP gets broadcast_buffers, even the default: pass it only when the user did (and was
+        # warned once by the constructor), so that a plain colossal_ddp run stays quiet.
+        buffer_sync: dict[str, bool] = (
+            {"broadcast_buffers": config.broadcast_buffers}
+            if config.broadcast_buffers is not None
+            else {"forward_sync_buffers": config.forward_sync_buffers}
         )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+            wrapped = DistributedDataParallel(
+                module,
+                device_ids=device_ids,
+                bucket_cap_mb=config.bucket_cap_mb,
+                gradient_as_bucket_view=config.gradient_as_bucket_view,
+                static_graph=config.static_graph,
+                find_unused_parameters=config.find_unused_parameters,
+                **buffer_sync,
+            )
         if config.gradient_compression is not None:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.gradient_compression]
             # state=None: the hook all-reduces over DDP's own process group (the data-parallel ranks).

@@ -28,6 +28,7 @@ from lightning_colossal.config import (
 )
 from lightning_colossal.gemini import GeminiEngine
 from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.model_summary import count_whole_parameters_in_model_summary
 
 
 class GeminiStrategy(ColossalStrategy):
@@ -113,6 +114,8 @@ class GeminiStrategy(ColossalStrategy):
                 " step",
                 manual_alternatives="`colossal_ddp` / `colossal_fsdp`",
             )
+        else:
+            self._drop_optimizers_of_earlier_fit()
         self.engine = GeminiEngine(
             self.lightning_module,
             optimizer,
@@ -123,6 +126,8 @@ class GeminiStrategy(ColossalStrategy):
         )
         self.setup_precision_plugin()
         self.precision_plugin.gradient_clipper = self.engine
+        # Chunked parameters are empty placeholders between gathers; Lightning's summary would count them as 0.
+        count_whole_parameters_in_model_summary(trainer, self.engine.whole_numel)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:

@@ -99,7 +99,7 @@ class ZeroStrategy(ColossalStrategy):
             optimizer = self._setup_single_optimizer(
                 trainer,
                 manual_reason="the engine owns when gradients are reduced and parameters re-synchronised",
-                manual_alternatives="`colossal_ddp`",
+                manual_alternatives="`colossal_ddp` / `colossal_fsdp`",
             )
             self.engine = ZeroEngine(
                 self.model,
@@ -110,6 +110,7 @@ class ZeroStrategy(ColossalStrategy):
             )
         else:
             _sync_module_states(self.model)
+            self._drop_optimizers_of_earlier_fit()
         self.setup_precision_plugin()
         if self.engine is not None:
             self.precision_plugin.gradient_clipper = self.engine

@@ -11,8 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
 from lightning_colossal.checkpoint import consolidate
-from lightning_colossal.checkpoint.sharded import shard_directory
 from lightning_colossal.checkpoint.layout import leftovers_of_interrupted_save
+from lightning_colossal.checkpoint.sharded import shard_directory
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
 
 STEPS_PER_EPOCH_AT_2_RANKS = 8  # 64 samples / (2 ranks * batch 4)
