@@ -1,5 +1,19 @@
-"""torch FSDP2 (``fully_shard``) applied per block and per root; no Lightning here."""
+"""torch FSDP2 (``fully_shard``) applied per block and per root, and undone at the end of a run; no Lightning here."""
 
-from lightning_colossal.fsdp.wrap import detect_block_classes, materialize_meta_parameters, shard_model
+from lightning_colossal.fsdp.wrap import (
+    detect_block_classes,
+    full_tensor,
+    materialize_meta_parameters,
+    shard_model,
+    sharded_roots,
+    unshard_model,
+)
 
-__all__ = ["detect_block_classes", "materialize_meta_parameters", "shard_model"]
+__all__ = [
+    "detect_block_classes",
+    "full_tensor",
+    "materialize_meta_parameters",
+    "shard_model",
+    "sharded_roots",
+    "unshard_model",
+]

@@ -7,16 +7,31 @@ its ``forward``, so sharding the LightningModule would leave its hooks unused. I
 the LightningModule that holds parameters becomes a root (for the usual ``self.model = ...`` that is one root),
 after its transformer blocks were sharded one by one. Parameters registered on the LightningModule itself
 belong to no unit and are refused.
+
+[Note: giving the module back]
+``fully_shard`` changes the user's modules in place: their classes become ``FSDP<Class>``, their parameters DTensor
+shards, and hooks and a composable-API registry entry are added (which makes a second ``fully_shard`` of the same
+module fail). ``unshard_model`` undoes all of it at the end of a run: it gathers every parameter into a plain full
+``nn.Parameter``, removes FSDP's forward and state-dict hooks, its state and registry entry, and restores the
+original classes, so the module is an ordinary one again that a later run can shard anew. Activation checkpointing
+(also a composable API) is switched off instead of removed, and switched on again when the module is sharded again.
+torch offers no public inverse of ``fully_shard``; the private attributes used here are read defensively and the
+tests (``tests/distributed/test_refit_and_plain_weights.py``) catch a torch release that moves them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.distributed._composable import checkpoint
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
+from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def detect_block_classes(module: nn.Module, known_blocks: Iterable[str] = ()) -> set[str]:
@@ -62,10 +77,12 @@ def shard_model(
     blocks = [submodule for submodule in module.modules() if submodule is not module and is_block(submodule)]
     for block in blocks:
         if activation_checkpointing:
-            # The composable form keeps parameter names unchanged (a wrapper module would rename every key).
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(block)
+            if _applied_composable_apis(block).get("checkpoint") is not None:
+                # Applied by an earlier run and switched off when that run gave the module back.
+                checkpoint.state(block).enable_hook = True
+            else:
+                # The composable form keeps parameter names unchanged (a wrapper module would rename every key).
+                checkpoint(block)
         shard(block)
     return [shard(child) for child in parameter_holding_children(module)]
 
@@ -92,3 +109,111 @@ def _initialise_outermost(module: nn.Module) -> None:
         return
     for child in module.children():
         _initialise_outermost(child)
+
+
+def sharded_roots(module: nn.Module) -> list[FSDPModule] | None:
+    """The roots of a module an earlier run left sharded (see ``unshard_model``), or ``None`` if it is not sharded.
+
+    Raises:
+        ValueError: only some top-level children are sharded (an earlier run failed half-way through sharding).
+    """
+    children = parameter_holding_children(module)
+    roots = [child for child in children if isinstance(child, FSDPModule)]
+    if not roots and not any(isinstance(submodule, FSDPModule) for submodule in module.modules()):
+        return None
+    if len(roots) != len(children):
+        unsharded = [type(child).__name__ for child in children if not isinstance(child, FSDPModule)]
+        raise ValueError(
+            f"{type(module).__name__} is partly sharded by FSDP ({unsharded} are not), probably by a run that failed"
+            " while sharding. Build the LightningModule again (or load its weights into a new one) before this run."
+        )
+    return roots
+
+
+@torch.no_grad()
+def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
+    """Give ``module`` back as an ordinary module with full, plain parameters on ``device`` (see [Note: giving the
+    module back]). A collective: every rank of the sharding mesh must call it.
+
+    Returns:
+        The new plain parameter for each replaced sharded one, keyed by ``id`` of the sharded parameter, so that
+        optimizers built on the shards can be pointed at the plain parameters.
+    """
+    units = [submodule for submodule in module.modules() if isinstance(submodule, FSDPModule)]
+    for unit in units:
+        # A unit built with reshard_after_forward=False still holds its gathered parameters after an evaluation
+        # forward (no backward reshards them); only the sharded ones are described by FSDP's records below.
+        unit.reshard()
+    replaced: dict[int, nn.Parameter] = {}
+    for unit in units:
+        state = unit._get_fsdp_state()
+        for group in _parameter_groups(state):
+            for fsdp_parameter in group.fsdp_params:
+                sharded = fsdp_parameter.sharded_param
+                plain = nn.Parameter(full_tensor(sharded).to(device), requires_grad=sharded.requires_grad)
+                info = fsdp_parameter._module_info
+                owners = [
+                    (info.module, info.param_name),
+                    *zip(info.shared_modules, info.shared_param_names, strict=True),
+                ]
+                for owner, name in owners:
+                    owner._parameters[name] = plain
+                fsdp_parameter._post_load_hook_handle.remove()
+                replaced[id(sharded)] = plain
+            hook_handles = [
+                *group._module_to_pre_save_state_dict_hook_handle.values(),
+                *group._module_to_pre_load_state_dict_hook_handle.values(),
+            ]
+            for handle in hook_handles:
+                handle.remove()
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        for managed in getattr(state, "_modules", (unit,)):
+            _module_state_mapping.pop(managed, None)
+            _forget_composable_api(managed, "fully_shard", state)
+            # FSDP<Class> derives from (FSDPModule, Class): the original class is the one after FSDPModule.
+            bases = type(managed).__bases__
+            if len(bases) == 2 and bases[0] is FSDPModule:
+                managed.__class__ = bases[1]
+    for submodule in module.modules():
+        for marker in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
+            submodule.__dict__.pop(marker, None)
+        if _applied_composable_apis(submodule).get("checkpoint") is not None:
+            # Outside the strategy the module behaves as built: no recomputation in backward.
+            checkpoint.state(submodule).enable_hook = False
+    return replaced
+
+
+@torch.no_grad()
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole value of a DTensor (a collective over its mesh); other tensors are returned unchanged."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = tensor.to_local()
+    mesh_device = tensor.device_mesh.device_type
+    if local.device.type != mesh_device:
+        # CPU offload keeps shards in host memory while the mesh's collectives (nccl) need device tensors.
+        tensor = DTensor.from_local(
+            local.to(mesh_device), tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+        )
+    return tensor.full_tensor()
+
+
+def _parameter_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch releases before per-parameter meshes
+    return [group] if group is not None else []
+
+
+def _applied_composable_apis(module: nn.Module) -> dict[str, Any]:
+    return module.__dict__.get(REGISTRY_KEY) or {}
+
+
+def _forget_composable_api(module: nn.Module, name: str, state: Any) -> None:
+    """Drop the registry entry and state ``fully_shard`` (via ``contract``) stored on the module."""
+    _applied_composable_apis(module).pop(name, None)
+    states = module.__dict__.get(STATE_KEY) or {}
+    for key in [key for key, value in states.items() if value is state]:
+        del states[key]

@@ -5,6 +5,17 @@ write the sharding. Here the strategy shards transformer blocks (detected, or na
 the LightningModule's parameter-holding children (``lightning_colossal.fsdp``, [Note: roots]), feeds FSDP's
 mixed-precision policy from our precision plugin, and keeps the portable checkpoint format: DCP reads and writes
 FSDP2's DTensor parameters and optimizer state directly, so checkpoints reshard and load into the other strategies.
+
+[Note: what the module holds after a run]
+Like Lightning's ``ddp``, the LightningModule holds ordinary full tensors (``torch.nn.Parameter``, on the CPU) after
+``fit``/``validate``/``test``/``predict``: teardown gathers every shard and gives the module back unsharded (see
+[Note: giving the module back] in ``lightning_colossal.fsdp.wrap``), so ``torch.save(model.state_dict())`` saves
+whole weights and a second ``fit`` shards the module again. The optimizers are pointed at the plain parameters with
+gathered state, so ``trainer.save_checkpoint`` after ``fit`` still works. That needs the whole model (and optimizer
+state) in memory on every rank once per run; for a model too large for one rank pass ``keep_weights_sharded=True``:
+the module then keeps FSDP's DTensor shards (``model.state_dict()`` holds DTensors; gather with ``.full_tensor()``
+on every rank, or save with ``trainer.save_checkpoint`` and ``lightning_colossal.checkpoint.consolidate``), and a
+later run with a new Trainer reuses those shards instead of sharding again.
 """
 
 from __future__ import annotations
@@ -25,7 +36,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod
-from lightning_colossal.fsdp import detect_block_classes, materialize_meta_parameters, shard_model
+from lightning_colossal.fsdp import (
+    detect_block_classes,
+    full_tensor,
+    materialize_meta_parameters,
+    shard_model,
+    sharded_roots,
+    unshard_model,
+)
 from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
 
 
@@ -42,6 +60,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
         activation_checkpointing: recompute each sharded block's activations in backward.
         replicate_size: hybrid sharding (HSDP): parameters are sharded within groups of ``world / replicate_size``
             ranks and replicated across ``replicate_size`` such groups (e.g. one group per node).
+        keep_weights_sharded: after each run leave the module's parameters as FSDP's DTensor shards instead of
+            gathering full plain tensors onto every rank (the default, as Lightning's ``ddp``). For models too large
+            for one rank's memory; see [Note: what the module holds after a run].
         process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
         cluster_environment: see ``ColossalStrategy``.
     """
@@ -55,6 +76,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         replicate_size: int = 1,
+        keep_weights_sharded: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
@@ -79,7 +101,12 @@ class ColossalFSDPStrategy(ColossalStrategy):
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
         self.replicate_size = replicate_size
+        self.keep_weights_sharded = keep_weights_sharded
         self._roots: list[FSDPModule] = []
+        # Names of the module's parameters before sharding, by id: after a validate/test/predict run the optimizers
+        # of an earlier fit hold those plain parameters, and teardown re-points them by name.
+        self._names_before_sharding: dict[int, str] = {}
+        self._run_failed = False
 
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
@@ -106,10 +133,12 @@ class ColossalFSDPStrategy(ColossalStrategy):
 
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
+        self._run_failed = False
         fitting = self._prepare_module(trainer)
         assert self.model is not None and self.lightning_module is not None
         if not self._roots:
-            self._roots = self._shard(self.lightning_module)
+            # A module an earlier run left sharded (keep_weights_sharded=True) keeps its shards.
+            self._roots = sharded_roots(self.lightning_module) or self._shard(self.lightning_module)
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
@@ -134,6 +163,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
             def is_block(candidate: torch.nn.Module) -> bool:
                 return type(candidate).__name__ in names
 
+        self._names_before_sharding = {id(parameter): name for name, parameter in module.named_parameters()}
         roots = shard_model(
             module,
             self._sharding_mesh(),
@@ -156,12 +186,31 @@ class ColossalFSDPStrategy(ColossalStrategy):
             for root in self._roots:
                 root.set_requires_gradient_sync(True)
 
+    def on_exception(self, exception: BaseException) -> None:
+        # Teardown follows; after a failure other ranks may never reach its collectives, so it must not gather.
+        self._run_failed = True
+
     def teardown(self) -> None:
-        # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
+        if self.keep_weights_sharded or self._run_failed or not self._roots or self.lightning_module is None:
+            # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
+            assert self.cluster_environment is not None and self.accelerator is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            return
+        self._give_back_plain_weights(self.lightning_module)
+        # The module is an ordinary one again: the base teardown moves it (and the optimizers) to the CPU.
+        super().teardown()
+
+    def _give_back_plain_weights(self, module: pl.LightningModule) -> None:
+        """Unshard the module into full plain parameters and point the optimizers at them (a collective)."""
+        sharded_names = {id(parameter): name for name, parameter in module.named_parameters()}
+        replaced = unshard_model(module, torch.device("cpu"))
+        self._roots = []
+        plain_by_name = dict(module.named_parameters())
+        known_names = {**self._names_before_sharding, **sharded_names}
+        for optimizer in self.optimizers:
+            _point_optimizer_at(_unwrap_optimizer(optimizer), replaced, known_names, plain_by_name)
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def model_state_for_checkpoint(self) -> dict[str, Any]:
@@ -181,3 +230,34 @@ class ColossalFSDPStrategy(ColossalStrategy):
         full = any(not isinstance(value, DTensor) and value.dim() > 0 for value in tensors)
         options = StateDictOptions(full_state_dict=full)
         set_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer), state, options=options)
+
+
+@torch.no_grad()
+def _point_optimizer_at(
+    optimizer: Optimizer,
+    replaced: Mapping[int, torch.nn.Parameter],
+    known_names: Mapping[int, str],
+    plain_by_name: Mapping[str, torch.nn.Parameter],
+) -> None:
+    """Make ``optimizer`` hold the module's new plain parameters, with its DTensor state gathered whole.
+
+    A parameter is found by identity among the replaced shards, else by its name before sharding (an optimizer of an
+    earlier fit, during a later validate/test/predict run). Gathering is a collective: every rank walks the same
+    parameters in the same order (param groups, then each parameter's state keys sorted).
+    """
+    old_state = optimizer.state
+    new_state: dict[Tensor, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        new_parameters = []
+        for parameter in group["params"]:
+            plain = replaced.get(id(parameter))
+            if plain is None and id(parameter) in known_names:
+                plain = plain_by_name.get(known_names[id(parameter)])
+            plain = parameter if plain is None else plain
+            new_parameters.append(plain)
+            entry = old_state.get(parameter)
+            if entry is not None:
+                new_state[plain] = {key: full_tensor(entry[key]) for key in sorted(entry)}
+        group["params"] = new_parameters
+    old_state.clear()
+    old_state.update(new_state)

@@ -7,7 +7,6 @@ same order) before returning them; for ordinary tensors it is ``float_state``.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,7 +64,8 @@ def train_fsdp_body(
     precision: str = "32-true",
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    strategy = ColossalFSDPStrategy(**(strategy_kwargs or {}))
+    # keep_weights_sharded: sharding_facts inspects the shards after fit (by default fit gives back plain tensors).
+    strategy = ColossalFSDPStrategy(keep_weights_sharded=True, **(strategy_kwargs or {}))
     return train_and_record(strategy, steps, accumulate, clip, clip_algorithm, precision, facts=sharding_facts)
 
 
@@ -217,7 +217,8 @@ def gpt_body(strategy_name: str, activation_checkpointing: bool) -> dict[str, An
     if strategy_name == "ddp":
         strategy: Any = ColossalDDPStrategy()
     else:
-        strategy = ColossalFSDPStrategy(activation_checkpointing=activation_checkpointing)
+        # keep_weights_sharded: the FSDP units are inspected after fit.
+        strategy = ColossalFSDPStrategy(activation_checkpointing=activation_checkpointing, keep_weights_sharded=True)
     counter = MLPCallCounter()
     trainer = quiet_trainer(
         strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6, callbacks=[counter]
@@ -372,7 +373,9 @@ def meta_init_body() -> dict[str, Any]:
     from lightning_colossal import ColossalFSDPStrategy
 
     seed_everything(5, verbose=False)
-    trainer = quiet_trainer(strategy=ColossalFSDPStrategy(), devices=torch.distributed.get_world_size(), max_steps=2)
+    # A model built on the meta device is one too large for a rank: it keeps its shards after fit.
+    strategy = ColossalFSDPStrategy(keep_weights_sharded=True)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2)
     with trainer.init_module(empty_init=True):
         module = RegressionModule()
     built_on_meta = all(parameter.is_meta for parameter in module.parameters())
@@ -411,9 +414,9 @@ def sharded_units_body(policy_kind: str) -> list[str]:
 
     policy = (lambda module: isinstance(module, torch.nn.LayerNorm)) if policy_kind == "predicate" else ["Linear"]
     module = new_module()
-    trainer = quiet_trainer(
-        strategy=ColossalFSDPStrategy(wrap_policy=policy), devices=torch.distributed.get_world_size(), max_steps=1
-    )
+    # keep_weights_sharded: the FSDP units are inspected after fit.
+    strategy = ColossalFSDPStrategy(wrap_policy=policy, keep_weights_sharded=True)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=1)
     trainer.fit(module)
     return sorted(name for name, submodule in module.named_modules() if isinstance(submodule, FSDPModule))
 
