@@ -17,7 +17,8 @@ from benchmarks.measure import MODEL_STATE_FORMULAS, STRATEGY_MODES
 
 __all__ = ["BENCHMARK_MODEL", "Configuration", "RunSpec", "parse_configuration", "parse_strategy_names"]
 
-# The 27.4M-parameter GPT of BENCHMARKING.md: d512, 6 layers, 8 heads, vocabulary 8192, untied LM head.
+# The 27.4M-parameter benchmark GPT (benchmarks/RESULTS.md, "Method"): d512, 6 layers, 8 heads, vocabulary 8192,
+# untied LM head.
 BENCHMARK_MODEL: dict[str, Any] = {
     "vocab_size": 8192,
     "block_size": 128,

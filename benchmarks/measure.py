@@ -236,9 +236,9 @@ MODEL_STATE_FORMULAS: dict[str, ModelStateFormula] = {
     )
 }
 
-# The mode a strategy name trains in, so ``--strategies NAME`` finds its formula without being told. Names of
-# strategies that do not exist yet are listed with the mode DESIGN.md gives them; a configuration can always
-# name its mode explicitly (``mode=...``).
+# The mode a strategy name trains in, so ``--strategies NAME`` finds its formula without being told. A name not
+# listed here (e.g. ``colossal_hybrid``, whose formula depends on its layout) gets no formula unless its
+# configuration names its mode explicitly (``mode=...``).
 STRATEGY_MODES: dict[str, str] = {
     "ddp": "ddp",
     "ddp_find_unused_parameters_true": "ddp",

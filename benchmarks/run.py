@@ -1,6 +1,6 @@
 """Side-by-side benchmark of training strategies on the same model, data and settings, in one invocation.
 
-Example (BENCHMARKING.md's setting: 2 CPU ranks, 27.4M GPT, global batch 8, fp32 AdamW)::
+Example (the setting of ``benchmarks/RESULTS.md``: 2 CPU ranks, 27.4M GPT, global batch 8, fp32 AdamW)::
 
     python -m benchmarks.run --strategies colossal_ddp,ddp --peer ddp --repeats 5 --steps 12 --warmup 3 \
         --max-load 0.3 --output benchmarks/out/ddp.json --markdown

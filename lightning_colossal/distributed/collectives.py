@@ -217,7 +217,7 @@ def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | N
         raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {size} equal slices.")
     moved = tensor.movedim(dim, 0).contiguous()
     if backend(group) == "gloo":
-        # gloo's reduce-scatter costs ~3x an all-reduce of the same bytes on CPU (BENCHMARKING.md).
+        # gloo's reduce-scatter costs ~3x an all-reduce of the same bytes on CPU: all-reduce, keep this rank's slice.
         dist.all_reduce(moved, op=ReduceOp.SUM, group=group)
         output = moved.chunk(size)[rank(group)].clone()
     else:

@@ -1,16 +1,17 @@
 """Tensor-parallel layers on plain local tensors, and the side table that says how each parameter is split.
 
 [Note: plain local shards instead of DTensor parameters]
-DESIGN.md planned DTensor parallel styles. Parameters here are plain tensors holding this rank's shard, and the
-layers call the differentiable collectives of ``distributed.differentiable`` themselves (Megatron's layout). Three
-reasons: the ZeRO engine, the data-parallel reducer and ``torch.distributed.pipelining`` all work on plain tensors,
-so ZeRO-1/2 and pipelines compose with tensor parallelism without a DTensor path in each; DTensor dispatch costs
-per-op time on CPU, which the tp2 step-time target against Lightning's DTensor-based ``ModelParallelStrategy``
-cannot afford; and sequence parallelism needs collectives between ops that a parallel style cannot express. DTensor
-is still used where it pays: the LM head returns its vocabulary-sharded logits as a ``DTensor`` so that torch's
-``loss_parallel`` computes the cross-entropy without gathering them, and checkpoints describe every shard as a
-``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied DTensor styles itself keeps
-them (``policies.UserTensorParallelPolicy``; ``local_view``/``piece_like`` below serve its pieces).
+The built-in policies do not use torch's DTensor parallel styles. Parameters here are plain tensors holding this
+rank's shard, and the layers call the differentiable collectives of ``distributed.differentiable`` themselves
+(Megatron's layout). Three reasons: the ZeRO engine, the data-parallel reducer and ``torch.distributed.pipelining``
+all work on plain tensors, so ZeRO-1/2 and pipelines compose with tensor parallelism without a DTensor path in each;
+DTensor dispatch costs per-op time on CPU, which the tp2 step-time target against Lightning's DTensor-based
+``ModelParallelStrategy`` cannot afford; and sequence parallelism needs collectives between ops that a parallel
+style cannot express. DTensor is still used where it pays: the LM head returns its vocabulary-sharded logits as a
+``DTensor`` so that torch's ``loss_parallel`` computes the cross-entropy without gathering them, and checkpoints
+describe every shard as a ``DTensor`` so DCP reshards between layouts. A model whose ``configure_model`` applied
+DTensor styles itself keeps them (``policies.UserTensorParallelPolicy``; ``local_view``/``piece_like`` below serve
+its pieces).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ delays its bucket to that callback instead of hanging or mismatching: its slot h
 [Note: collective per backend]
 Stage 2 needs each rank to end with the sum of its own rows. NCCL's reduce-scatter does exactly that for half
 the traffic of an all-reduce. gloo's reduce-scatter and all-gather cost ~3x an all-reduce of the same bytes on
-CPU (BENCHMARKING.md), so on gloo the bucket is all-reduced and each rank keeps its slot: same result, less time.
+CPU (measured in benchmarks/RESULTS.md, ZeRO section), so on gloo the bucket is all-reduced and each rank keeps its slot: same result, less time.
 
 Stage 1 keeps full-size gradients (parameters' ``.grad`` are views into one buffer per bucket) and all-reduces
 them, communicating only on the last micro-batch of an accumulation. Stage 2 copies each gradient into a

@@ -1,6 +1,7 @@
-"""The layering rules of DESIGN.md, checked by scanning imports and calls with `ast`.
+"""The layering rules of docs/architecture.md, checked by scanning imports and calls with `ast`.
 
-- engines (zero/, gemini/, parallel/) never import lightning and never each other;
+- engines (zero/, gemini/, parallel/, fsdp/) never import lightning and never each other (parallel/ may use
+  zero's public package API);
 - only strategies/, precision.py, callbacks/, checkpoint/ and demo/ (plus the package root that registers names)
   may import lightning;
 - only distributed/ calls torch.distributed collectives.
@@ -98,7 +99,7 @@ def test_engines_do_not_import_each_other():
             continue
         for name in _imported_names(tree):
             parts = name.split(".")
-            # DESIGN.md: colossal_hybrid is parallel/ + zero/, so parallel/ may use zero's public package API
+            # docs/architecture.md: colossal_hybrid is parallel/ + zero/, so parallel/ may use zero's public package API
             # (never its modules).
             composes_zero = engine == "parallel" and name == "lightning_colossal.zero"
             if (
