@@ -89,8 +89,8 @@ NOTEBOOK_SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize(
     "strategy",
-    ["colossal_ddp_notebook", "spawn", "colossal_zero2_notebook", "colossal_fsdp_notebook"],
-    ids=["fork", "spawn", "zero2-fork", "fsdp-fork"],
+    ["colossal_ddp_notebook", "spawn", "colossal_zero2_notebook", "colossal_fsdp_notebook", "colossal_gemini_notebook"],
+    ids=["fork", "spawn", "zero2-fork", "fsdp-fork", "gemini-fork"],
 )
 def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     script = tmp_path / "notebook_run.py"
