@@ -54,7 +54,7 @@ from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.parallel.data_parallel import GradientAverager
 from lightning_colossal.parallel.groups import HybridGroups, stage_tie_group
 from lightning_colossal.parallel.pipeline import PipelineRunner, split_layers, stages_of_rank
-from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
+from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, check_tensor_parallel_regions
 from lightning_colossal.parallel.tensor_parallel import (
     ParallelContext,
     TensorParallelPlacement,
@@ -120,8 +120,13 @@ class HybridEngine:
             if isinstance(parameter, DTensor) and any(placement.is_shard() for placement in parameter.placements)
         }
         self._rekey_after_replacement()
+        # [Note: replicated parameters in tensor-parallel regions] (policy.py): a whole parameter left inside a
+        # tensor-parallel region must be declared by the policy, or the model is refused here, before training.
+        check_tensor_parallel_regions(model, self.plan)
+        # One hook per parameter, however often a policy listed it: a second hook would sum the sum again.
+        partial = {id(parameter): parameter for parameter in self.plan.partial_gradients}
         self._gradient_hooks = [
-            parameter.register_hook(self._sum_over_tensor_parallel) for parameter in self.plan.sequence_partial
+            parameter.register_hook(self._sum_over_tensor_parallel) for parameter in partial.values()
         ]
         if config.activation_checkpointing:
             policy.wrap_layers_for_recomputation(model)
@@ -283,7 +288,8 @@ class HybridEngine:
 
     # ---------------------------------------------------------------------------------------------- gradients
     def _sum_over_tensor_parallel(self, gradient: Tensor) -> Tensor:
-        # Split-gather sequence parallelism: this rank's gradient covers its sequence shard only.
+        # This rank's gradient covers only its sequence shard (split-gather) or its slice of the split heads/features
+        # (a per-head norm): see ParallelPlan.partial_gradients.
         return collectives.sum_within_group(gradient.clone(), self.groups.tp_group)
 
     @contextmanager

@@ -64,8 +64,7 @@ class GPTPolicy(ModelPolicy):
         if context.tp_size > 1:
             self._split_layers(model, context, plan)
         if context.split_gather:
-            plan.sequence_partial.extend(norm_parameters(model))
-            plan.sequence_partial.append(model.position_embedding.weight)
+            plan.add_partial_gradients([*norm_parameters(model), model.position_embedding.weight])
         if context.sp_size > 1:
             for block in model.blocks:
                 block.attn.forward = functools.partial(_ulysses_attention, block.attn, context)  # type: ignore[method-assign]

@@ -66,7 +66,17 @@ class HuggingFacePlanPolicy(ModelPolicy):
             for attribute in ("num_attention_heads", "num_key_value_heads")
             if getattr(config, attribute, None)
         )
-        plan_policy = PlanPolicy(dict(config.base_model_tp_plan), prefix=f"{prefix}." if prefix else "", heads=heads)
+        model_type = getattr(config, "model_type", type(model).__name__)
+        plan_policy = PlanPolicy(
+            dict(config.base_model_tp_plan),
+            prefix=f"{prefix}." if prefix else "",
+            heads=heads,
+            origin=f"The tensor-parallel plan of this '{model_type}' model (config.base_model_tp_plan)",
+            fix=(
+                "Train it with tp_size=1 (data parallelism and zero_stage still apply), or pass a ModelPolicy subclass"
+                " that splits its layers."
+            ),
+        )
         if not context.split_gather:
             plan = plan_policy.parallelize(model, context)
             self._split_head(model, base, context, plan)
@@ -94,7 +104,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
                 module = getattr(layer, block)
                 module.forward = functools.partial(_on_whole_sequence, module.forward, context)
         self._split_head(model, base, context, plan)
-        plan.sequence_partial.extend(norm_parameters(base))
+        plan.add_partial_gradients(norm_parameters(base))
         head_split = isinstance(getattr(model, "lm_head", None), VocabParallelHead)
         base.forward = functools.partial(_split_gather_forward, base, context, head_split)
         return plan

@@ -3,9 +3,14 @@
 This is how a user splits a model no built-in policy knows (``policy={"layers.*.attn.q": "colwise", ...}``, names
 relative to the LightningModule), and how Hugging Face models that carry their own plan
 (``config.base_model_tp_plan``: Llama, Qwen2, Mistral, ...) are split automatically. ``*`` matches one name
-component (a layer index). Styles other than column/row-wise (e.g. Hugging Face's ``*_rep`` styles, whose outputs
-are gathered) are left unsplit with a warning: the model stays correct, only less of it is sharded. Plans give
-tensor parallelism only; pipelines and sequence parallelism need a policy that knows the model's structure.
+component (a layer index). Two more styles split nothing but say how a whole module's gradient is reduced (see
+[Note: replicated parameters in tensor-parallel regions] in ``policy.py``): ``"replicated_with_grad_allreduce"``
+(applied to this rank's slice of split features, like Qwen3's per-head ``q_norm``: gradients summed over the
+tensor-parallel ranks) and ``"replicate"`` (sees the whole input: nothing to do). Other styles (e.g. Hugging Face's
+``colwise_gather_output``, whose outputs are gathered) are left unsplit with a warning: a whole layer on whole
+inputs stays correct, only less of the model is sharded; one left whole inside a tensor-parallel region is refused.
+Plans give tensor parallelism only; pipelines and sequence parallelism need a policy that knows the model's
+structure.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
     ParallelPlan,
+    check_tensor_parallel_regions,
     column_parallel,
     refuse_sequence_parallel,
     row_parallel,
@@ -25,6 +31,11 @@ from lightning_colossal.parallel.policy import (
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
 SPLIT_STYLES = ("colwise", "rowwise")
+#: Whole modules whose gradient is a partial sum over the tensor-parallel ranks (Hugging Face's name).
+PARTIAL_GRADIENT_STYLE = "replicated_with_grad_allreduce"
+#: Whole modules that see whole inputs (Hugging Face's name).
+REPLICATE_STYLE = "replicate"
+APPLIED_STYLES = (*SPLIT_STYLES, PARTIAL_GRADIENT_STYLE, REPLICATE_STYLE)
 
 
 def _pattern(plan_key: str) -> re.Pattern[str]:
@@ -40,14 +51,25 @@ class PlanPolicy(ModelPolicy):
         plan: module-name pattern -> ``"colwise"`` or ``"rowwise"``.
         prefix: prepended to every pattern (the path from the parallelised module to the plan's root).
         heads: ``(what, count)`` pairs that must divide by the tensor-parallel size (attention heads).
+        origin: where the plan comes from, for errors (``None``: the user's ``policy=`` dict); ``fix``: what to do
+            when it splits nothing.
     """
 
     name = "plan"
 
-    def __init__(self, plan: dict[str, str], prefix: str = "", heads: tuple[tuple[str, int], ...] = ()) -> None:
+    def __init__(
+        self,
+        plan: dict[str, str],
+        prefix: str = "",
+        heads: tuple[tuple[str, int], ...] = (),
+        origin: str | None = None,
+        fix: str = "",
+    ) -> None:
         self.plan = dict(plan)
         self.prefix = prefix
         self.heads = heads
+        self.origin = origin
+        self.fix = fix
 
     def accepts(self, module: nn.Module) -> bool:
         return True  # applies to the module it is given (the LightningModule for a user plan)
@@ -63,14 +85,25 @@ class PlanPolicy(ModelPolicy):
         plan = ParallelPlan()
         if context.tp_size == 1:
             return plan
-        ignored = sorted({style for style in self.plan.values() if style not in SPLIT_STYLES})
+        ignored = sorted({style for style in self.plan.values() if style not in APPLIED_STYLES})
         if ignored:
-            warnings.warn(f"Tensor-parallel styles {ignored} are not applied; those modules stay whole.", stacklevel=2)
-        rules = [(_pattern(self.prefix + key), style) for key, style in self.plan.items() if style in SPLIT_STYLES]
+            warnings.warn(
+                f"Tensor-parallel styles {ignored} are not applied; those modules stay whole (a whole module inside a"
+                " tensor-parallel region is refused).",
+                stacklevel=2,
+            )
+        rules = [(_pattern(self.prefix + key), style) for key, style in self.plan.items() if style in APPLIED_STYLES]
         matched = 0
         for name, module in list(model.named_modules()):
             style = next((style for pattern, style in rules if pattern.match(name)), None)
             if style is None:
+                continue
+            # The module's own parameters only (as Hugging Face's styles): a child may be split by another rule.
+            if style == PARTIAL_GRADIENT_STYLE:
+                plan.add_partial_gradients(module.parameters(recurse=False))
+                continue
+            if style == REPLICATE_STYLE:
+                plan.replicated.extend(module.parameters(recurse=False))
                 continue
             if not isinstance(module, nn.Linear):
                 raise TypeError(f"The plan splits {name!r} ({type(module).__name__}); only nn.Linear can be split.")
@@ -80,8 +113,32 @@ class PlanPolicy(ModelPolicy):
             setattr(parent, attribute, split(module, context, plan))
             matched += 1
         if matched == 0:
-            raise ValueError(
-                f"The tensor-parallel plan {sorted(self.plan)} matched no nn.Linear of {type(model).__name__}: write the"
-                " patterns relative to the LightningModule (e.g. 'model.layers.*.attn.q_proj')."
-            )
+            raise ValueError(self._nothing_split_message(model, ignored))
+        check_tensor_parallel_regions(model, plan, self._how_to_declare)
         return plan
+
+    def _nothing_split_message(self, model: nn.Module, ignored: list[str]) -> str:
+        unsupported = (
+            f" Its styles {ignored} are not applied here (only 'colwise'/'rowwise' on nn.Linear modules, and"
+            f" '{PARTIAL_GRADIENT_STYLE}'/'{REPLICATE_STYLE}')."
+            if ignored
+            else ""
+        )
+        if self.origin is not None:
+            return f"{self.origin} {sorted(self.plan)} split no nn.Linear of {type(model).__name__}.{unsupported} {self.fix}"
+        return (
+            f"The tensor-parallel plan {sorted(self.plan)} matched no nn.Linear of {type(model).__name__}.{unsupported}"
+            " Write the patterns relative to the LightningModule (e.g. 'model.layers.*.attn.q_proj')."
+        )
+
+    def _how_to_declare(self, names: list[str]) -> str:
+        # The parameter's module as a plan key: relative to the plan's root, layer indices as `*`.
+        modules = (name.rpartition(".")[0].removeprefix(self.prefix) for name in names)
+        keys = sorted({".".join("*" if part.isdigit() else part for part in module.split(".")) for module in modules})
+        where = "config.base_model_tp_plan in configure_model" if self.origin is not None else "the policy= dict"
+        example = ", ".join(f"'{key}': '{PARTIAL_GRADIENT_STYLE}'" for key in keys)
+        return (
+            f"Add {example} to {where} if each rank applies it to its own slice of the split heads/features (its"
+            f" gradient is then summed over the tensor-parallel ranks), or '{REPLICATE_STYLE}' if it sees the whole"
+            " input; or pass a ModelPolicy subclass that declares it."
+        )

@@ -10,7 +10,7 @@ never see a policy's work.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,20 @@ from lightning_colossal.parallel.tensor_parallel import (
     shard_of,
 )
 
+# [Note: replicated parameters in tensor-parallel regions]
+# Between a column-parallel layer and the row-parallel layer it feeds, activations are split over the tensor-parallel
+# ranks (each holds its heads or its features). A parameter left whole in there (Qwen3/Gemma3's per-head q/k norms,
+# a per-head scale, a router fed split features) gets on each rank only the gradient of the slice that rank applied it
+# to: the ranks must sum their gradients, or every rank steps with a part of the gradient (and their copies drift
+# apart). Outside such regions activations are replicated (or sequence shards under split-gather, which puts norms
+# in ``partial_gradients`` for the same sum) and whole parameters get the whole gradient on every rank. The rule:
+# every whole parameter inside a region is either declared partial (summed by the engine's gradient hook, the one
+# split-gather's norm-gradient sum uses) or declared replicated; anything else is refused before training by
+# ``check_tensor_parallel_regions``. A region is taken structurally as a module that holds a row-parallel layer as a
+# child and a column-parallel layer anywhere below it (an attention or MLP block): the data flow inside it cannot be
+# seen without running it, so policies declare, and the check only catches what they did not. Plans name the
+# declaration with Hugging Face's styles: ``"replicated_with_grad_allreduce"`` (partial) and ``"replicate"``.
+
 
 @dataclass
 class ParallelPlan:
@@ -32,16 +46,31 @@ class ParallelPlan:
 
     Attributes:
         placements: how each split parameter is split, keyed by ``id(parameter)``.
-        sequence_partial: parameters that run on sequence shards under split-gather sequence parallelism; each
-            tensor-parallel rank gets only its shard's part of their gradient, so the ranks sum it.
+        partial_gradients: whole (unsplit) parameters of which each tensor-parallel rank computes only a part of
+            the gradient, so the engine sums their gradients over the tensor-parallel ranks in backward (see [Note:
+            replicated parameters in tensor-parallel regions]): those that run on sequence shards under split-gather
+            sequence parallelism (norms, a row-parallel bias), and those applied to this rank's slice of the split
+            features (Qwen3's per-head ``q_norm``/``k_norm``). Add them with ``add_partial_gradients`` (each once).
+        replicated: whole parameters inside a tensor-parallel region (see ``check_tensor_parallel_regions``) that
+            the policy knows see the region's whole, replicated input: their gradients are complete on every rank.
     """
 
     placements: dict[int, TensorParallelPlacement] = field(default_factory=dict)
-    sequence_partial: list[nn.Parameter] = field(default_factory=list)
+    partial_gradients: list[nn.Parameter] = field(default_factory=list)
+    replicated: list[nn.Parameter] = field(default_factory=list)
 
     def record(self, parameter: nn.Parameter | None, placement: TensorParallelPlacement) -> None:
         if parameter is not None:
             self.placements[id(parameter)] = placement
+
+    def add_partial_gradients(self, parameters: Iterable[nn.Parameter]) -> None:
+        """Sum these parameters' gradients over the tensor-parallel ranks. A parameter partial for two reasons
+        (a per-head norm under split-gather) is still summed once: each rank's part is disjoint from the others'."""
+        known = {id(parameter) for parameter in self.partial_gradients}
+        for parameter in parameters:
+            if id(parameter) not in known:
+                known.add(id(parameter))
+                self.partial_gradients.append(parameter)
 
 
 class ModelPolicy:
@@ -126,8 +155,47 @@ def row_parallel(
     _keep_frozen(layer, linear)
     plan.record(layer.weight, placement)
     if layer.bias is not None and context.split_gather:
-        plan.sequence_partial.append(layer.bias)
+        plan.add_partial_gradients([layer.bias])
     return layer
+
+
+def check_tensor_parallel_regions(
+    model: nn.Module, plan: ParallelPlan, how_to_declare: Callable[[list[str]], str] | None = None
+) -> None:
+    """Refuse whole parameters left inside a tensor-parallel region without a word on their gradient (see [Note:
+    replicated parameters in tensor-parallel regions]); ``how_to_declare(names)`` says how this policy's user
+    declares them."""
+    accounted = {id(parameter) for parameter in [*plan.partial_gradients, *plan.replicated]}
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            # Split weights, and a row-parallel bias, which is added once after the sum (replicated input).
+            accounted.update(id(parameter) for parameter in module.parameters())
+    undeclared: dict[int, str] = {}
+    for region_name, region in model.named_modules():
+        if not any(isinstance(child, RowParallelLinear) for child in region.children()):
+            continue
+        if not any(isinstance(module, ColumnParallelLinear) for module in region.modules()):
+            continue
+        for name, parameter in region.named_parameters():
+            if id(parameter) not in accounted:
+                undeclared.setdefault(id(parameter), f"{region_name}.{name}" if region_name else name)
+    if not undeclared:
+        return
+    names = list(undeclared.values())
+    fix = (
+        how_to_declare(names)
+        if how_to_declare is not None
+        else "Record each in the ParallelPlan your policy's parallelize returns: `plan.add_partial_gradients([...])`"
+        " if it is applied to this rank's slice of the split features, `plan.replicated.append(...)` if it sees the"
+        " whole input."
+    )
+    raise ValueError(
+        f"Tensor parallelism leaves {names} whole inside a tensor-parallel region (a module holding a row-parallel"
+        " layer and the column-parallel layers feeding it), and nothing says whether each rank applies it to the"
+        " whole input (its gradient is then complete on every rank) or to its own slice of the split heads/features"
+        " (a per-head norm: each rank's gradient is then a part the ranks must sum). Either guess can train silently"
+        f" wrong, so the model is refused before training. {fix}"
+    )
 
 
 def _keep_frozen(layer: nn.Module, original: nn.Module) -> None:

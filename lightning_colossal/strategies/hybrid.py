@@ -121,6 +121,7 @@ class HybridParallelStrategy(ColossalStrategy):
         if self.engine is None:
             config = self.hybrid_config
             model_parallel = config.model_parallel_size > 1
+            _refuse_module_split_by_an_earlier_run(self.lightning_module)
             model, policy = find_policy(self.lightning_module, self.policy, model_parallel=model_parallel)
             if self.pipelined and not callable(getattr(self.lightning_module, "pipeline_loss", None)):
                 raise TypeError(
@@ -137,6 +138,8 @@ class HybridParallelStrategy(ColossalStrategy):
                 self.root_device,
                 self._timeout,
             )
+            if model_parallel:
+                self.lightning_module.__dict__[_SPLIT_MARKER] = True
         if fitting:
             optimizer = self._setup_single_optimizer(
                 trainer,
@@ -424,6 +427,23 @@ class HybridParallelStrategy(ColossalStrategy):
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
         return [(cls.strategy_name, {})]
+
+
+# Set on a LightningModule whose model this strategy split into tensor-parallel pieces or pipeline stages.
+_SPLIT_MARKER = "_lightning_colossal_split_by_hybrid"
+
+
+def _refuse_module_split_by_an_earlier_run(module: pl.LightningModule) -> None:
+    """A module keeps its pieces after a run (see docs/hybrid.md); a new strategy would split the pieces again and
+    train a different model, silently. The same Trainer may fit again: its strategy keeps its engine."""
+    if module.__dict__.get(_SPLIT_MARKER):
+        raise RuntimeError(
+            f"This {type(module).__name__} was split into tensor-parallel pieces or pipeline stages by an earlier"
+            " colossal_hybrid run and holds only this rank's pieces, so a new Trainer cannot split it again. Fit again"
+            " with the same Trainer (e.g. a larger max_epochs), or start from a whole model:"
+            " `Module.load_from_checkpoint(trainer.checkpoint_callback.last_model_path)`, or build the module anew"
+            " and load `trainer.strategy.full_model_state_dict()` (gathered before the first Trainer is dropped)."
+        )
 
 
 def _plain(output: Any) -> Any:
