@@ -45,8 +45,13 @@ class ColossalDDPStrategy(ColossalStrategy):
         broadcast_buffers: deprecated (as in torch's DDP): use ``forward_sync_buffers``. Keep
             ``broadcast_buffers=False`` only for rank-local buffers that must not be synced when the model is wrapped.
         gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision.
-        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
-        cluster_environment: see ``ColossalStrategy``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: how long a collective may wait before failing instead of hanging.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+        accelerator: the accelerator (normally chosen by the ``Trainer``).
+        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
+        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     strategy_name = "colossal_ddp"

@@ -63,8 +63,13 @@ class ColossalFSDPStrategy(ColossalStrategy):
         keep_weights_sharded: after each run leave the module's parameters as FSDP's DTensor shards instead of
             gathering full plain tensors onto every rank (the default, as Lightning's ``ddp``). For models too large
             for one rank's memory; see [Note: what the module holds after a run].
-        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
-        cluster_environment: see ``ColossalStrategy``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: how long a collective may wait before failing instead of hanging.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+        accelerator: the accelerator (normally chosen by the ``Trainer``).
+        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
+        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     materialises_meta_models = True  # meta models are materialised per shard after fully_shard

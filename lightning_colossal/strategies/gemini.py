@@ -41,13 +41,20 @@ class GeminiStrategy(ColossalStrategy):
     Args:
         placement: ``StaticPlacement(...)`` or ``AutoPlacement(...)``; default ``StaticPlacement()``.
         chunk_numel: elements per chunk; ``None`` searches the size wasting the least chunk space.
-        min_chunk_numel, search_range_numel, search_step_numel: the chunk-size search (see ``GeminiConfig``).
+        min_chunk_numel: smallest chunk size the chunk-size search tries.
+        search_range_numel: the search tries sizes in ``[start, start + search_range_numel]``.
+        search_step_numel: step between the sizes the search tries.
         max_prefetch: chunks gathered ahead of use, asynchronously.
         communication: ``"auto"``, ``"all_reduce"`` or ``"scatter_gather"`` (identical results).
         init_window_bytes: bytes one initialisation pass materialises when the model is built on the meta device
             (``Trainer.init_module(empty_init=True)`` or ``configure_model``).
-        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
-        cluster_environment: see ``ColossalStrategy``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: how long a collective may wait before failing instead of hanging.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+        accelerator: the accelerator (normally chosen by the ``Trainer``).
+        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
+        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)

@@ -40,8 +40,13 @@ class ZeroStrategy(ColossalStrategy):
         stage2_accumulation: ``"sharded"`` (reduce every micro-batch, keep stage-2 memory; default) or
             ``"local"`` (accumulate full gradients, reduce once per step).
         communication: ``"auto"`` (per backend), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
-        process_group_backend, timeout, start_method, loss_scaler, accelerator, parallel_devices,
-        cluster_environment: see ``ColossalStrategy``.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        timeout: how long a collective may wait before failing instead of hanging.
+        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
+        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+        accelerator: the accelerator (normally chosen by the ``Trainer``).
+        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
+        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     def __init__(
