@@ -5,6 +5,7 @@ Usage::
     python -m lightning_colossal.consolidate CKPT OUT.safetensors            # weights, safetensors
     python -m lightning_colossal.consolidate CKPT OUT.ckpt                   # full Lightning checkpoint
     python -m lightning_colossal.consolidate CKPT OUT.pt --weights-only --strip-prefix model.
+    python -m lightning_colossal.consolidate CKPT OUT_DIR --format huggingface        # from_pretrained directory
 """
 
 from __future__ import annotations
@@ -26,7 +27,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "output",
-        help="file to write: *.safetensors for weights in safetensors, anything else for a torch file",
+        help="file to write: *.safetensors for weights in safetensors, anything else for a torch file; a directory"
+        " with --format huggingface",
+    )
+    parser.add_argument(
+        "--format",
+        choices=("file", "huggingface"),
+        default="file",
+        help="'huggingface' writes a directory AutoModelFor...from_pretrained loads (config.json, safetensors shards"
+        " and their index), reading one shard's weights at a time",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file with --format huggingface (e.g. 5GB, 500MB)",
+    )
+    parser.add_argument(
+        "--config-dir",
+        default=None,
+        help="with --format huggingface: a directory holding the model's config.json, for checkpoints that recorded"
+        " none",
     )
     parser.add_argument(
         "--weights-only",
@@ -44,13 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
     try:
-        written = consolidate(
-            arguments.checkpoint,
-            arguments.output,
-            weights_only=arguments.weights_only,
-            strip_prefix=arguments.strip_prefix,
-        )
-    except (FileNotFoundError, ValueError, IsADirectoryError) as error:
+        if arguments.format == "huggingface":
+            from lightning_colossal.checkpoint.huggingface import export_huggingface, parse_size
+
+            if arguments.weights_only or arguments.strip_prefix:
+                raise ValueError(
+                    "--format huggingface writes weights under the model's own names: drop --weights-only"
+                    " and --strip-prefix."
+                )
+            written = export_huggingface(
+                arguments.checkpoint,
+                arguments.output,
+                max_shard_bytes=parse_size(arguments.max_shard_size),
+                config_dir=arguments.config_dir,
+            )
+        else:
+            written = consolidate(
+                arguments.checkpoint,
+                arguments.output,
+                weights_only=arguments.weights_only,
+                strip_prefix=arguments.strip_prefix,
+            )
+    except (FileNotFoundError, ValueError, IsADirectoryError, NotADirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {written}")

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_colossal.checkpoint.huggingface import HUGGINGFACE_KEY, describe_huggingface_model
 from lightning_colossal.checkpoint.layout import (
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -452,6 +453,10 @@ class ColossalStrategy(ParallelStrategy):
             "num_optimizers": len(optimizer_states or []),
             "parallel_dims": self.parallel_dims.axis_sizes() if self._parallel_dims is not None else None,
         }
+        huggingface = describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
+        if huggingface is not None:
+            # What `consolidate --format huggingface` needs to write a from_pretrained directory.
+            checkpoint[FORMAT_KEY][HUGGINGFACE_KEY] = huggingface
         save_sharded(path, tensor_state, checkpoint)
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
