@@ -88,3 +88,64 @@ def test_export_refuses_a_checkpoint_without_a_huggingface_model(tmp_path, capsy
         == 0
     )
     assert Path(tmp_path / "out" / "model.safetensors").is_file()
+
+
+class PretrainedLlamaModule(LlamaModule):
+    """Loads the model the way Hugging Face users do: `from_pretrained` of a local directory in configure_model."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(self.directory)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # A zero learning rate: after fit the weights must still be exactly the pretrained ones.
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def from_pretrained_body(strategy_spec: tuple[str, dict[str, Any]], directory: str) -> dict[str, torch.Tensor]:
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal import (
+        ColossalDDPStrategy,
+        ColossalFSDPStrategy,
+        GeminiStrategy,
+        HybridParallelStrategy,
+        ZeroStrategy,
+    )
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from tests.distributed.oracle import quiet_trainer
+
+    kind, arguments = strategy_spec
+    strategy = {
+        "ddp": ColossalDDPStrategy,
+        "zero": ZeroStrategy,
+        "gemini": GeminiStrategy,
+        "fsdp": ColossalFSDPStrategy,
+        "hybrid": HybridParallelStrategy,
+    }[kind](**arguments)
+    module = PretrainedLlamaModule(directory)
+    loader = DataLoader(RandomTokenDataset(num_samples=16, block_size=16, vocab_size=64, seed=2), batch_size=4)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2)
+    trainer.fit(module, train_dataloaders=loader)
+    return {name: tensor.detach().float().clone() for name, tensor in strategy.full_model_state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "strategy_spec",
+    [("ddp", {}), ("zero", {"stage": 2}), ("gemini", {"chunk_numel": 3000}), ("fsdp", {}), ("hybrid", {"tp_size": 2})],
+    ids=["ddp", "zero2", "gemini", "fsdp", "hybrid_tp2"],
+)
+def test_from_pretrained_in_configure_model(rank_pool_2, tmp_path, strategy_spec):
+    torch.manual_seed(3)
+    config = tiny_llama_config()
+    config.num_key_value_heads = 2
+    pretrained = transformers.LlamaForCausalLM(config)
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    results = rank_pool_2.run(from_pretrained_body, strategy_spec, str(tmp_path / "pretrained"))
+    for result in results:
+        for name, tensor in pretrained.state_dict().items():
+            torch.testing.assert_close(result[f"model.{name}"], tensor, rtol=0, atol=0)
