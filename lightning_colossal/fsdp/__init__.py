@@ -1,5 +1,6 @@
 """torch FSDP2 (``fully_shard``) applied per block and per root, and undone at the end of a run; no Lightning here."""
 
+from lightning_colossal.fsdp.gradients import UnusedGradientTracker, include_unused_parameters_in_reduction
 from lightning_colossal.fsdp.wrap import (
     detect_block_classes,
     full_tensor,
@@ -10,6 +11,8 @@ from lightning_colossal.fsdp.wrap import (
 )
 
 __all__ = [
+    "UnusedGradientTracker",
+    "include_unused_parameters_in_reduction",
     "detect_block_classes",
     "full_tensor",
     "materialize_meta_parameters",

@@ -8,6 +8,13 @@ the LightningModule that holds parameters becomes a root (for the usual ``self.m
 after its transformer blocks were sharded one by one. Parameters registered on the LightningModule itself
 belong to no unit and are refused.
 
+[Note: tied parameters]
+FSDP2 manages each parameter in exactly one unit: a parameter shared between a block and a module outside it (BERT's
+word embeddings, a block of its own by ``_no_split_modules``, tied to the MLM decoder outside it) makes the outer
+unit fail with "shared with a parameter already managed by another FSDP group". A block that shares a parameter with
+any module outside itself is therefore not sharded on its own; its parameters join the enclosing unit, which holds
+both users of the tie (the root at the latest), so the tie survives as one Parameter.
+
 [Note: giving the module back]
 ``fully_shard`` changes the user's modules in place: their classes become ``FSDP<Class>``, their parameters DTensor
 shards, and hooks and a composable-API registry entry are added (which makes a second ``fully_shard`` of the same
@@ -74,7 +81,11 @@ def shard_model(
             offload_policy=offload,
         )
 
-    blocks = [submodule for submodule in module.modules() if submodule is not module and is_block(submodule)]
+    blocks = [
+        submodule
+        for submodule in module.modules()
+        if submodule is not module and is_block(submodule) and not _shares_parameters_outside(submodule, module)
+    ]
     for block in blocks:
         if activation_checkpointing:
             if _applied_composable_apis(block).get("checkpoint") is not None:
@@ -85,6 +96,18 @@ def shard_model(
                 checkpoint(block)
         shard(block)
     return [shard(child) for child in parameter_holding_children(module)]
+
+
+def _shares_parameters_outside(block: nn.Module, module: nn.Module) -> bool:
+    """Whether a parameter of ``block`` is also registered on a module of ``module`` outside ``block`` (a tie)."""
+    inside = {id(parameter) for parameter in block.parameters()}
+    inside_modules = {id(submodule) for submodule in block.modules()}
+    for submodule in module.modules():
+        if id(submodule) in inside_modules:
+            continue
+        if any(id(parameter) in inside for parameter in submodule.parameters(recurse=False)):
+            return True
+    return False
 
 
 def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:

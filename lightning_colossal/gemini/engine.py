@@ -16,8 +16,27 @@ collectives must match across ranks. Chunk ``k`` is reduced only after every chu
 own (manager.py [Note: two groups]); before backward the strategy counts which parameters the loss reaches
 (``prepare_backward``), so a chunk is complete when those are in; chunks left at the end of backward are reduced
 then, with zeros for missing gradients. So a parameter that gets no gradient neither hangs nor desynchronises.
-What every rank must share is the set of modules run in forward and reached in backward (gathers are collectives
-too), as with FSDP.
+Gathers are collectives too, and the modules a rank runs may depend on its data (an expert that got no token is
+not called): see [Note: gathering in rounds].
+
+[Note: gathering in rounds]
+Ranks may run different modules (mixture-of-experts layers skip experts without tokens), so "gather when a module
+needs its chunks" alone would pair one rank's gather of chunk 4 with another rank's gather of chunk 5: a size error,
+or silently summed rows of different chunks when the sizes agree. Gathers therefore happen in rounds that every rank
+enters together. A rank that needs chunks it does not hold (plus its prefetch candidates) enters a round; one small
+all-reduce tells every rank which chunks anyone asked for, and every rank then takes part in the gather of each of
+them in chunk order: it keeps the chunks it asked for and contributes its rows to the others without keeping them.
+A rank that finished a forward or a backward keeps entering empty rounds until no rank asks for anything
+(``finish_phase``): the strategy ends every forward step with it, the end of backward starts with it. Ranks that
+run the same modules pay one small all-reduce per round. During backward no rank blocks on a gradient reduction
+before that final round (a rank waiting on a reduction that another rank can only start after a gather would
+deadlock), so reductions in flight are bounded only after it.
+
+[Note: gradients nobody produced]
+A parameter a rank did not use contributes zeros to the average. A parameter no rank used has no gradient in
+single-process torch (``grad is None``), and optimizers skip it: no weight decay, no momentum, no Adam step count.
+Each rank records which parameters received a gradient since the last optimizer step; at the end of backward the
+records are combined (one small all-reduce) and masters of parameters nobody gave a gradient get none.
 
 [Note: gradient accumulation]
 Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
@@ -27,7 +46,7 @@ keeps ZeRO-3 memory and fp32 sums (ColossalAI's Gemini has no accumulation, or h
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -147,6 +166,12 @@ class GeminiEngine:
         self._backward_callback_queued = False
         self._expect_every_gradient()
         self._prefetched: set[int] = set()
+        # [Note: gradients nobody produced]: one flag per chunked parameter, in chunk and member order.
+        self._flag_of = {
+            id(parameter): position
+            for position, parameter in enumerate(p for chunk in self.manager.chunks for p in chunk.parameters)
+        }
+        self._received = torch.zeros(len(self._flag_of), dtype=torch.float32, device=compute_device)
         self.budget = self._budget()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
         # checkpoint saved after the run) but no longer drive the parameters.
@@ -280,13 +305,13 @@ class GeminiEngine:
             if chunk.state is ChunkState.GATHERED and chunk.index not in needed and not chunk.keep_gathered:
                 self.manager.release(chunk)
         self._make_room(needed, position)
+        self._gather_missing(needed, position)
         for index in sorted(needed):
             chunk = self.manager.chunks[index]
-            self._gather(chunk)
+            self._gather(chunk)  # only waits: the round above issued every gather this module needs
             chunk.users += 1
             if chunk.state is ChunkState.GATHERED:
                 chunk.move(ChunkState.COMPUTING)
-        self._prefetch(position)
 
     def _after_forward(self, module_id: int, output: Any) -> None:
         for index in self._module_chunks[module_id]:
@@ -303,12 +328,52 @@ class GeminiEngine:
                 tensors, lambda _: self._before_backward(module_id), mode="any"
             )
 
-    def _gather(self, chunk: Chunk) -> None:
+    def _gather(self, chunk: Chunk, asynchronous: bool = False) -> None:
         if chunk.shard_location is Location.OFFLOAD and chunk.index not in self.manager.plan.offload_parameters:
             # Automatic placement evicted it earlier: its shard comes back with it.
             self.manager.move_shard(chunk, Location.COMPUTE)
-        self.manager.gather(chunk)
-        self._prefetched.discard(chunk.index)
+        self.manager.gather(chunk, asynchronous=asynchronous)
+        if not asynchronous:
+            self._prefetched.discard(chunk.index)
+
+    def _gather_missing(self, needed: Iterable[int], position: int) -> None:
+        """Gather, in a round with every rank, the chunks of ``needed`` this rank does not hold (and prefetch)."""
+        missing = {index for index in needed if self.manager.chunks[index].state is ChunkState.SHARDED}
+        if not missing:
+            return
+        prefetch = self._prefetch_candidates(position) - missing
+        self._prefetched |= prefetch
+        self._gather_round(missing | prefetch, asynchronous=prefetch)
+
+    def _gather_round(self, requested: set[int], asynchronous: set[int] | None = None) -> bool:
+        """One round of [Note: gathering in rounds]; returns whether any rank asked for a chunk."""
+        chunks = self.manager.chunks
+        if self.world_size == 1:
+            union = sorted(requested)
+            anyone_asked = bool(requested)
+        else:
+            flags = torch.zeros(len(chunks) + 1, dtype=torch.float32, device=self.compute_device)
+            if requested:
+                flags[sorted(requested)] = 1.0
+                flags[-1] = 1.0
+            collectives.all_reduce(flags, op="max", group=self.process_group)
+            asked = flags.bool().tolist()
+            union = [index for index in range(len(chunks)) if asked[index]]
+            anyone_asked = asked[-1]
+        for index in union:
+            chunk = chunks[index]
+            if index in requested and chunk.state is ChunkState.SHARDED:
+                self._gather(chunk, asynchronous=asynchronous is not None and index in asynchronous)
+            else:
+                self.manager.contribute_to_gather(chunk)
+        return anyone_asked
+
+    def finish_phase(self) -> None:
+        """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective)."""
+        if self.world_size == 1 or self.detached:
+            return
+        while self._gather_round(set()):
+            pass
 
     # ---------------------------------------------------------------------------------------------- backward
     def _before_backward(self, module_id: int) -> None:
@@ -316,14 +381,14 @@ class GeminiEngine:
         needed = self._module_chunks[module_id]
         position = self._trace("backward", module_id, needed)
         self._make_room(needed, position)
+        # Chunks reduced already (their gradients were complete): nothing here needs their weights again.
+        needed = frozenset(index for index in needed if not self.manager.chunks[index].reduced_this_backward)
+        self._gather_missing(needed, position)
         for index in sorted(needed):
             chunk = self.manager.chunks[index]
-            if chunk.reduced_this_backward:
-                continue  # reduced already (its gradients were complete): nothing here needs its weights again
             self._gather(chunk)
             if chunk.state is ChunkState.GATHERED:
                 chunk.move(ChunkState.AWAITING_GRADIENTS)
-        self._prefetch(position)
 
     def _expect_every_gradient(self) -> None:
         """Without ``prepare_backward``, a chunk waits for every trainable parameter it holds."""
@@ -365,6 +430,7 @@ class GeminiEngine:
         assert parameter.grad is not None
         chunk.member_full(full_gradient, member).add_(parameter.grad)
         parameter.grad = None
+        self._received[self._flag_of[id(parameter)]] = 1.0
         chunk.gradients_arrived += 1
         self._queue_end_of_backward()
         self._reduce_in_order(force=False)
@@ -375,7 +441,8 @@ class GeminiEngine:
             chunk = self.manager.chunks[self._next_to_reduce]
             if not force and chunk.gradients_arrived < chunk.gradients_expected:
                 return
-            self.manager.reduce(chunk)
+            # Unbounded while other ranks may still need a gather round ([Note: gathering in rounds]).
+            self.manager.reduce(chunk, bound_in_flight=force)
             chunk.reduced_this_backward = True
             if chunk.state is ChunkState.AWAITING_GRADIENTS:
                 chunk.move(ChunkState.GATHERED)
@@ -384,6 +451,7 @@ class GeminiEngine:
             self._next_to_reduce -= 1
 
     def _end_of_backward(self) -> None:
+        self.finish_phase()
         self._reduce_in_order(force=True)
         self.manager.complete_reductions(block=True)
         for chunk in self.manager.chunks:
@@ -395,7 +463,12 @@ class GeminiEngine:
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
         self._expect_every_gradient()
-        self.manager.attach_master_gradients()
+        received_anywhere = self._received.clone()
+        collectives.all_reduce(received_anywhere, op="max", group=self.process_group)
+        received = received_anywhere.bool().tolist()
+        self.manager.attach_master_gradients(
+            lambda parameter: received[self._flag_of[id(parameter)]]  # [Note: gradients nobody produced]
+        )
         self.tracer.finish()
 
     # ---------------------------------------------------------------------------------------------- placement
@@ -457,10 +530,11 @@ class GeminiEngine:
                 self.manager.release(chunk)
             self.manager.move_shard(chunk, Location.OFFLOAD)
 
-    def _prefetch(self, position: int) -> None:
-        """Start gathering the chunks of the next ops (in the traced order) without waiting for them."""
+    def _prefetch_candidates(self, position: int) -> set[int]:
+        """Chunks of the next ops (in the traced order) to gather without waiting for them, within max_prefetch."""
+        candidates: set[int] = set()
         if self.config.max_prefetch == 0 or not self.tracer.finished:
-            return
+            return candidates
         sequence = self.tracer.sequence
         # Prefetched chunks not yet used count against the limit: the working set stays max_prefetch chunks ahead.
         self._prefetched = {
@@ -472,12 +546,16 @@ class GeminiEngine:
         for distance in range(1, len(sequence)):
             for index in sorted(sequence[(position + distance) % len(sequence)]):
                 if started >= self.config.max_prefetch:
-                    return
+                    return candidates
                 chunk = self.manager.chunks[index]
-                if chunk.state is ChunkState.SHARDED and chunk.shard_location is Location.COMPUTE:
-                    self.manager.gather(chunk, asynchronous=True)
-                    self._prefetched.add(index)
+                if (
+                    chunk.state is ChunkState.SHARDED
+                    and chunk.shard_location is Location.COMPUTE
+                    and index not in candidates
+                ):
+                    candidates.add(index)
                     started += 1
+        return candidates
 
     # ---------------------------------------------------------------------------------------------- step
     def after_step(self, stepped: bool) -> None:
@@ -486,6 +564,7 @@ class GeminiEngine:
         if stepped:
             self.manager.masters_to_shards()
         self.manager.zero_gradients()
+        self._received.zero_()
 
     def release_all(self) -> None:
         """Release every gathered chunk (between stages; chunks stay valid, only the gathered copies go)."""

@@ -21,7 +21,7 @@ blocks on a reduction another rank has not started yet; they are waited for at t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -226,7 +226,23 @@ class ChunkManager:
         chunk.shard_location = location
 
     # ---------------------------------------------------------------------------------------------- gradients
-    def reduce(self, chunk: Chunk) -> None:
+    def contribute_to_gather(self, chunk: Chunk) -> None:
+        """Take part in another rank's gather of ``chunk`` with this rank's rows, keeping nothing (the chunk's own
+        state is unchanged: it may be gathered here already, or not needed)."""
+        source = chunk.shard.to(self.compute_device, non_blocking=True)
+        full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
+        if self.use_scatter_gather:
+            self._all_gather_slots(chunk, source, full)
+            return
+        for member in chunk.spec.members:
+            if member.spec.replicated and self.rank != 0:
+                continue
+            chunk.member_owned_in_full(full, member).copy_(chunk.member_shard(source, member).reshape(-1))
+        work = collectives.all_reduce_async(full, group=self.process_group)
+        if work is not None:
+            work.wait()
+
+    def reduce(self, chunk: Chunk, bound_in_flight: bool = True) -> None:
         """Start averaging the chunk's full gradient over the ranks; ``complete_reductions`` adds the own rows to the
         fp32 shard gradient. Runs on ``reduce_group`` without waiting ([Note: two groups])."""
         full = chunk.full_gradient
@@ -255,8 +271,9 @@ class ChunkManager:
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)
             self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
-        # Bound the full gradients in flight: the working set stays a few chunks, not the whole model.
-        self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT)
+        # Bound the full gradients in flight: the working set stays a few chunks, not the whole model (once no rank
+        # can still need a gather round from this one: engine.py [Note: gathering in rounds]).
+        self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT if bound_in_flight else None)
 
     def complete_reductions(self, block: bool, keep_at_most: int | None = None) -> None:
         """Fold finished reductions into the shard gradients, in launch order: all of them with ``block``, else
@@ -288,12 +305,13 @@ class ChunkManager:
     def reductions_in_flight(self) -> int:
         return len(self._pending)
 
-    def attach_master_gradients(self) -> None:
+    def attach_master_gradients(self, has_gradient: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
+        """Point each master's ``.grad`` at its reduced rows; ``None`` where ``has_gradient(parameter)`` is false."""
         for chunk in self.chunks:
             if chunk.gradient is None:
                 continue
-            for member, view in zip(chunk.spec.members, chunk.master_views, strict=True):
-                view.grad = chunk.member_shard(chunk.gradient, member)
+            for member, parameter, view in zip(chunk.spec.members, chunk.parameters, chunk.master_views, strict=True):
+                view.grad = chunk.member_shard(chunk.gradient, member) if has_gradient(parameter) else None
 
     def zero_gradients(self) -> None:
         for chunk in self.chunks:

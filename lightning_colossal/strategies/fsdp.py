@@ -37,8 +37,10 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod
 from lightning_colossal.fsdp import (
+    UnusedGradientTracker,
     detect_block_classes,
     full_tensor,
+    include_unused_parameters_in_reduction,
     materialize_meta_parameters,
     shard_model,
     sharded_roots,
@@ -112,6 +114,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
         # of an earlier fit hold those plain parameters, and teardown re-points them by name.
         self._names_before_sharding: dict[int, str] = {}
         self._run_failed = False
+        # See [Note: gradients nobody produced, under FSDP2] in lightning_colossal.fsdp.gradients.
+        self._gradient_tracker: UnusedGradientTracker | None = None
+        self._gradient_sync_blocked = False
 
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
@@ -144,9 +149,12 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if not self._roots:
             # A module an earlier run left sharded (keep_weights_sharded=True) keeps its shards.
             self._roots = sharded_roots(self.lightning_module) or self._shard(self.lightning_module)
+        include_unused_parameters_in_reduction(self._roots)
+        self._gradient_tracker = None
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
+            self._gradient_tracker = UnusedGradientTracker(self.lightning_module, self.root_device)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -185,17 +193,30 @@ class ColossalFSDPStrategy(ColossalStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         for root in self._roots:
             root.set_requires_gradient_sync(False)
+        self._gradient_sync_blocked = True
         try:
             yield
         finally:
+            self._gradient_sync_blocked = False
             for root in self._roots:
                 root.set_requires_gradient_sync(True)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        tracker = self._gradient_tracker
+        if tracker is not None:
+            assert self.lightning_module is not None
+            tracker.before_backward(closure_loss, self.lightning_module)
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if tracker is not None and not self._gradient_sync_blocked:
+            tracker.after_synchronising_backward()
+        return output
 
     def on_exception(self, exception: BaseException) -> None:
         # Teardown follows; after a failure other ranks may never reach its collectives, so it must not gather.
         self._run_failed = True
 
     def teardown(self) -> None:
+        self._gradient_tracker = None  # it holds this run's sharded parameters
         if self.keep_weights_sharded or self._run_failed or not self._roots or self.lightning_module is None:
             # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
             assert self.cluster_environment is not None and self.accelerator is not None

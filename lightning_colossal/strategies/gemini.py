@@ -140,7 +140,28 @@ class GeminiStrategy(ColossalStrategy):
         if self.engine is None:
             return super().training_step(*args, **kwargs)
         with self.engine.step_context():
-            return super().training_step(*args, **kwargs)
+            output = super().training_step(*args, **kwargs)
+        # Ranks may have run different modules (experts without tokens): serve the gathers others still need.
+        self.engine.finish_phase()
+        return output
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().validation_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.finish_phase()
+        return output
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().test_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.finish_phase()
+        return output
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().predict_step(*args, **kwargs)
+        if self.engine is not None:
+            self.engine.finish_phase()
+        return output
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.engine is not None:

@@ -173,9 +173,17 @@ class ZeroEngine:
             self.reducer.blocked = False
 
     def _attach_master_gradients(self) -> None:
-        """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows."""
+        """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows; masters
+        of parameters that no rank gave a gradient get none (reducer.py [Note: gradients nobody produced])."""
+        received_anywhere = self.reducer.received.clone()
+        collectives.all_reduce(received_anywhere, op="max", group=self.process_group)
+        received = received_anywhere.bool().tolist()
         offset = 0
-        for member, master in zip(self.members, self.masters, strict=True):
+        for member, master, member_received in zip(self.members, self.masters, received, strict=True):
+            if not member_received:
+                master.grad = None
+                offset += member.spec.local_numel
+                continue
             gradient = self.reducer.owned_gradient(member)
             if self.master_gradient_buffer is None:
                 master.grad = gradient

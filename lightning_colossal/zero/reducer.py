@@ -6,6 +6,13 @@ when all its parameters have their gradient *and* every earlier bucket has launc
 from a callback queued at the end of backward. A parameter that got no gradient on some rank (unused branch) just
 delays its bucket to that callback instead of hanging or mismatching: its slot holds zeros.
 
+[Note: gradients nobody produced]
+A zero slot is the right contribution of a rank that did not use a parameter, but a parameter no rank used has no
+gradient at all in single-process torch (``grad is None``), and optimizers skip it: no weight decay, no momentum,
+no Adam step count. The reducer therefore records which parameters received a gradient on this rank since the last
+optimizer step (``received``, also inside ``no_sync``); the engine combines the records of all ranks (one small
+all-reduce per reduction) and gives such parameters' masters no gradient.
+
 [Note: collective per backend]
 Stage 2 needs each rank to end with the sum of its own rows. NCCL's reduce-scatter does exactly that for half
 the traffic of an all-reduce. gloo's reduce-scatter and all-gather cost ~3x an all-reduce of the same bytes on
@@ -102,6 +109,9 @@ class GradientReducer:
         self._next_to_launch = 0
         self._hooks = [member.parameter.register_post_accumulate_grad_hook(self._on_gradient) for member in members]
         self._member_of = {id(member.parameter): member for member in members}
+        # See [Note: gradients nobody produced]; one flag per member, in ``members`` order.
+        self._position_of = {id(member.parameter): position for position, member in enumerate(members)}
+        self.received = torch.zeros(len(members), dtype=torch.float32, device=device)
 
     # ---------------------------------------------------------------------------------------------- layout
     def _bucket_numel_of(self, member: ReducedParameter) -> int:
@@ -169,6 +179,7 @@ class GradientReducer:
 
     def zero_gradients(self) -> None:
         """Start a new optimizer step: clear the reduced gradients (and stage 1's full gradients)."""
+        self.received.zero_()
         if self.stage == 1:
             for bucket in self.buckets:
                 assert bucket.gradients is not None
@@ -185,6 +196,7 @@ class GradientReducer:
         return not self.blocked or (self.stage == 2 and not self.accumulate_locally)
 
     def _on_gradient(self, parameter: torch.Tensor) -> None:
+        self.received[self._position_of[id(parameter)]] = 1.0
         if not self._communicates_now():
             return
         if not self._callback_queued:

@@ -1,0 +1,92 @@
+"""Parameters that get no gradient on some or all ranks under FSDP2 (mixture-of-experts, unused branches).
+
+[Note: gradients nobody produced, under FSDP2]
+FSDP2 reduce-scatters, per unit, the gradients of the parameters that have one on this rank. When a rank did not
+use a parameter (an expert without tokens) the ranks' reduce-scatters differ in size: gloo aborts, NCCL may hang or
+mix up gradients. ``fully_shard``'s ``set_reduce_scatter_unused_params(True)`` makes every rank contribute zeros
+instead, which is the right contribution to the average. But a parameter *no* rank used then gets a zero gradient,
+while single-process torch leaves it ``None`` and optimizers skip it (no weight decay, no momentum, no Adam step
+count). ``UnusedGradientTracker`` records, before each backward, which parameters the loss reaches on this rank
+(walking the autograd graph from the loss to FSDP's unsharded parameters), combines the records of all ranks at the
+micro-batch that synchronises gradients (one small all-reduce), and removes the zero gradients of parameters no rank
+reached. Units whose forward runs on some ranks only remain unsupported: their all-gathers are collectives every
+rank must issue, so modules that run conditionally must live inside a unit that always runs (the default wrap
+policy shards transformer blocks, which hold their experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_colossal.distributed import collectives
+
+
+def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> None:
+    """Every rank reduce-scatters zeros for parameters it gave no gradient (see the Note)."""
+    for root in roots:
+        root.set_reduce_scatter_unused_params(True, recurse=True)
+
+
+def leaves_reached_from(loss: Tensor) -> set[int]:
+    """``id``s of the leaf tensors whose gradient ``loss.backward()`` will accumulate."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
+
+
+class UnusedGradientTracker:
+    """Tracks, per optimizer step, which sharded parameters got a gradient on any rank (see the Note)."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        # Module order: the same on every rank, so the flags line up in the all-reduce (on the collective's device).
+        self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
+        self._position_of = {id(parameter): position for position, parameter in enumerate(self.parameters)}
+        self.reached = torch.zeros(len(self.parameters), dtype=torch.float32, device=device)
+
+    def before_backward(self, loss: Tensor, module: nn.Module) -> None:
+        """Record the parameters ``loss`` reaches: in the graph they are FSDP's unsharded parameters."""
+        reached = leaves_reached_from(loss)
+        for sharded, unsharded in _unsharded_parameters(module):
+            if id(unsharded) in reached or id(sharded) in reached:
+                position = self._position_of.get(id(sharded))
+                if position is not None:
+                    self.reached[position] = 1.0
+
+    def after_synchronising_backward(self) -> None:
+        """After the backward that reduced gradients: drop the zero gradients of parameters no rank reached."""
+        reached_anywhere = self.reached.clone()
+        collectives.all_reduce(reached_anywhere, op="max")
+        for parameter, reached in zip(self.parameters, reached_anywhere.bool().tolist(), strict=True):
+            if not reached:
+                parameter.grad = None
+        self.reached.zero_()
+
+
+def _unsharded_parameters(module: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:
+    """(sharded parameter, unsharded parameter autograd sees) for every parameter FSDP manages in ``module``."""
+    pairs = []
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        state = unit._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            for fsdp_parameter in group.fsdp_params:
+                unsharded = getattr(fsdp_parameter, "_unsharded_param", None)
+                if unsharded is not None:
+                    pairs.append((fsdp_parameter.sharded_param, unsharded))
+    return pairs
