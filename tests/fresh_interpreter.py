@@ -15,12 +15,25 @@ from pathlib import Path
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(arguments: list[str], directory: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``python *arguments`` in ``directory`` with the repository importable; output is captured as text."""
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
-    environment.pop("LOCAL_RANK", None)
+def run_python(
+    arguments: list[str], directory: Path, timeout: float = 300, environment: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python *arguments`` in ``directory`` with the repository importable (and ``environment`` added);
+    output is captured as text."""
+    child_environment = {
+        **os.environ,
+        "PYTHONPATH": str(REPOSITORY_ROOT),
+        "PYTHONUNBUFFERED": "1",
+        **(environment or {}),
+    }
+    child_environment.pop("LOCAL_RANK", None)
     return subprocess.run(
-        [sys.executable, *arguments], cwd=directory, env=environment, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *arguments],
+        cwd=directory,
+        env=child_environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 

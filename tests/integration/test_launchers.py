@@ -98,3 +98,44 @@ def test_multiprocessing_launchers_return_trained_weights(tmp_path, strategy):
     result = run_python([str(script), strategy], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "weights returned to the parent changed by" in result.stdout
+
+
+FORK_AFTER_THREADED_WORK_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import lightning_colossal  # registers the names
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+    from tests.distributed.oracle import new_module, quiet_trainer
+
+    if __name__ == "__main__":
+        # A notebook that did real work first: OpenMP's thread pool is running in this process when the ranks fork.
+        torch.set_num_threads(2)
+        torch.randn(2_000_000).exp_().sum()
+        module = new_module()
+        checkpoint = ModelCheckpoint(dirpath="checkpoints", save_last=True)
+        trainer = quiet_trainer(
+            strategy="colossal_ddp_notebook", devices=2, max_steps=3, callbacks=[checkpoint],
+            enable_checkpointing=True, logger=CSVLogger("logs"), log_every_n_steps=1,
+        )
+        trainer.fit(module)
+        print("last", trainer.checkpoint_callback.last_model_path)
+        print("log_dir", trainer.logger.log_dir)
+    """
+)
+
+
+def test_fork_after_threaded_work_does_not_hang_and_names_what_the_ranks_wrote(tmp_path):
+    script = tmp_path / "notebook_after_work.py"
+    script.write_text(FORK_AFTER_THREADED_WORK_SCRIPT)
+    # OMP_NUM_THREADS=2 makes Lightning leave the ranks' thread count alone: without the launcher's guard each
+    # forked rank would run 2 OpenMP threads after the parent's pool was started, and wait forever.
+    environment = {"OMP_NUM_THREADS": "2"}
+    result = run_python([str(script)], tmp_path, timeout=180, environment=environment)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert "the forked ranks run one thread each" in output
+    printed = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("last ", "log_dir ")))
+    # The notebook's Trainer names the checkpoint and the log version the ranks wrote (relative to its directory).
+    assert (tmp_path / printed["last"]).is_file(), printed
+    assert (tmp_path / printed["log_dir"] / "metrics.csv").is_file(), printed
