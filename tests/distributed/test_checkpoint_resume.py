@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_colossal import ColossalDDPStrategy, ColossalPrecision, LossScalerConfig
 from lightning_colossal.checkpoint import consolidate
@@ -16,6 +16,13 @@ from lightning_colossal.checkpoint.sharded import shard_directory
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
 
 STEPS_PER_EPOCH_AT_2_RANKS = 8  # 64 samples / (2 ranks * batch 4)
+
+
+class PerRankRandomState(Callback):
+    """Gives each rank its own random state as training starts (Lightning seeds every rank alike before that)."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        torch.manual_seed(1000 + trainer.global_rank)
 
 
 def _fit(
@@ -27,15 +34,18 @@ def _fit(
     dropout: float = 0.1,
     callbacks: list[Any] | None = None,
     plugins: list[Any] | None = None,
+    per_rank_random_state: bool = False,
 ) -> dict[str, torch.Tensor]:
     world_size = torch.distributed.get_world_size()
     module = new_module(batch_size=batch_size, dropout=dropout, with_scheduler=True)
+    if per_rank_random_state and ckpt_path is None:
+        callbacks = [*(callbacks or []), PerRankRandomState()]  # a resumed run gets the states from the checkpoint
     trainer = quiet_trainer(
         strategy=strategy if strategy is not None else ColossalDDPStrategy(),
         devices=world_size,
         max_epochs=epochs,
         callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(callback, ModelCheckpoint) for callback in callbacks or []),
         plugins=plugins,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -44,19 +54,27 @@ def _fit(
     return float_state(module)
 
 
-def uninterrupted_body(dropout: float) -> dict[str, torch.Tensor]:
-    return _fit(epochs=2, dropout=dropout)
+def uninterrupted_body(dropout: float, per_rank_random_state: bool = False) -> dict[str, torch.Tensor]:
+    return _fit(epochs=2, dropout=dropout, per_rank_random_state=per_rank_random_state)
 
 
 def save_after_one_epoch_body(
-    path: str, strategy_name: str = "colossal_ddp", dropout: float = 0.1
+    path: str, strategy_name: str = "colossal_ddp", dropout: float = 0.1, per_rank_random_state: bool = False
 ) -> dict[str, torch.Tensor]:
     strategy = ColossalDDPStrategy() if strategy_name == "colossal_ddp" else strategy_name
-    return _fit(epochs=1, save_to=path, strategy=strategy, dropout=dropout)
+    return _fit(epochs=1, save_to=path, strategy=strategy, dropout=dropout, per_rank_random_state=per_rank_random_state)
 
 
-def resume_body(path: str, batch_size: int = 4, dropout: float = 0.1) -> dict[str, torch.Tensor]:
-    return _fit(epochs=2, ckpt_path=path, batch_size=batch_size, dropout=dropout)
+def resume_body(
+    path: str, batch_size: int = 4, dropout: float = 0.1, per_rank_random_state: bool = False
+) -> dict[str, torch.Tensor]:
+    return _fit(
+        epochs=2,
+        ckpt_path=path,
+        batch_size=batch_size,
+        dropout=dropout,
+        per_rank_random_state=per_rank_random_state,
+    )
 
 
 def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path):
@@ -71,6 +89,21 @@ def test_resume_at_same_world_size_continues_identically(rank_pool_2, tmp_path):
         torch.testing.assert_close(resumed[rank], reference[rank], rtol=0, atol=0)
 
 
+def test_resume_restores_each_rank_its_own_random_state(rank_pool_2, tmp_path):
+    # Under seed_everything all ranks share one random state, so restoring rank 0's state on every rank would pass the
+    # test above: here the ranks' states differ (their dropout masks too), and each must get its own back.
+    reference = rank_pool_2.run(uninterrupted_body, 0.1, True)
+    path = str(tmp_path / "epoch1.ckpt")
+    rank_pool_2.run(save_after_one_epoch_body, path, "colossal_ddp", 0.1, True)
+    resumed = rank_pool_2.run(resume_body, path, 4, 0.1, True)
+    shared = rank_pool_2.run(uninterrupted_body, 0.1, False)
+    assert max((shared[0][name] - reference[0][name]).abs().max().item() for name in shared[0]) > 1e-3, (
+        "per-rank random states must change the training, or this test proves nothing"
+    )
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=0, atol=0)
+
+
 def test_resume_at_one_rank_continues_the_same_training(rank_pool_2, rank_pool_1, tmp_path):
     reference = rank_pool_2.run(uninterrupted_body, 0.0)[0]
     path = str(tmp_path / "epoch1.ckpt")
@@ -82,35 +115,41 @@ def test_resume_at_one_rank_continues_the_same_training(rank_pool_2, rank_pool_1
     assert moved < 1e-5
 
 
-def model_checkpoint_body(directory: str) -> list[str]:
+def model_checkpoint_body(directory: str, strategy_name: str = "colossal_ddp") -> list[str]:
     callback = ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3, save_top_k=-1)
-    _fit(epochs=1, callbacks=[callback])
+    strategy = ColossalDDPStrategy() if strategy_name == "colossal_ddp" else strategy_name
+    _fit(epochs=1, callbacks=[callback], strategy=strategy, dropout=0.0)
     return sorted(path.name for path in Path(directory).iterdir())
+
+
+def resume_with_body(path: str, strategy_name: str) -> dict[str, torch.Tensor]:
+    strategy = ColossalDDPStrategy() if strategy_name == "colossal_ddp" else strategy_name
+    return _fit(epochs=2, ckpt_path=path, strategy=strategy, dropout=0.0)
 
 
 def test_model_checkpoint_callback_writes_sharded_directories(rank_pool_2, tmp_path):
     names = rank_pool_2.run(model_checkpoint_body, str(tmp_path))[0]
     checkpoints = ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
     assert names == sorted(checkpoints + [f"{name}.shards" for name in checkpoints])
-    reference = rank_pool_2.run(uninterrupted_body, 0.1)
-    # Resuming from a mid-epoch checkpoint runs; Lightning restarts the epoch's data, so only check it trains on.
-    resumed = rank_pool_2.run(resume_body, str(tmp_path / "last.ckpt"))
-    assert set(resumed[0]) == set(reference[0])
+    # Resuming from a mid-epoch checkpoint follows Lightning's rules for the rest of the epoch (it restarts the
+    # epoch's data): Lightning's own ddp, resumed from its own mid-epoch checkpoint, is the reference (dropout off:
+    # plain files carry no per-rank random state).
+    rank_pool_2.run(model_checkpoint_body, str(tmp_path / "lightning"), "ddp")
+    reference = rank_pool_2.run(resume_with_body, str(tmp_path / "lightning" / "last.ckpt"), "ddp")
+    resumed = rank_pool_2.run(resume_with_body, str(tmp_path / "last.ckpt"), "colossal_ddp")
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=1e-6, atol=1e-7)
 
 
 def test_plain_lightning_checkpoint_loads_into_colossal_ddp(rank_pool_2, tmp_path):
-    reference = rank_pool_2.run(uninterrupted_body, 0.1)
+    # The RNG state is per-process and not in plain files, so the values are compared with dropout off.
+    reference = rank_pool_2.run(uninterrupted_body, 0.0)
     plain = str(tmp_path / "plain.ckpt")
-    rank_pool_2.run(save_after_one_epoch_body, plain, "ddp")
+    rank_pool_2.run(save_after_one_epoch_body, plain, "ddp", 0.0)
     assert Path(plain).is_file(), "Lightning's own ddp writes one file"
-    resumed = rank_pool_2.run(resume_body, plain)
-    # The RNG state is per-process and not in plain files; dropout then differs, so compare with dropout off too.
-    assert set(resumed[0]) == set(reference[0])
-    reference_no_dropout = rank_pool_2.run(uninterrupted_body, 0.0)
-    plain_no_dropout = str(tmp_path / "plain0.ckpt")
-    rank_pool_2.run(save_after_one_epoch_body, plain_no_dropout, "ddp", 0.0)
-    resumed_no_dropout = rank_pool_2.run(resume_body, plain_no_dropout, 4, 0.0)
-    torch.testing.assert_close(resumed_no_dropout[0], reference_no_dropout[0], rtol=1e-6, atol=1e-7)
+    resumed = rank_pool_2.run(resume_body, plain, 4, 0.0)
+    for rank in range(2):
+        torch.testing.assert_close(resumed[rank], reference[rank], rtol=1e-6, atol=1e-7)
 
 
 def test_consolidated_files_hold_the_weights_and_resume(rank_pool_2, tmp_path):

@@ -367,15 +367,30 @@ def test_consolidate_gives_the_trained_weights_and_resumes_in_fsdp(
         torch.testing.assert_close(resumed[rank], fsdp_reference[rank], rtol=1e-5, atol=1e-6)
 
 
+class InitialWeights(Callback):
+    """The whole weights as training starts (after FSDP materialised a meta model): a collective on every rank."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.weights = float_state(pl_module)
+
+
 def meta_init_body() -> dict[str, Any]:
     from lightning.pytorch import seed_everything
 
     from lightning_colossal import ColossalFSDPStrategy
 
     seed_everything(5, verbose=False)
+    eager = float_state(RegressionModule())  # the same model built eagerly from the same seed
+    seed_everything(5, verbose=False)
     # A model built on the meta device is one too large for a rank: it keeps its shards after fit.
     strategy = ColossalFSDPStrategy(keep_weights_sharded=True)
-    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2)
+    initial = InitialWeights()
+    trainer = quiet_trainer(
+        strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2, callbacks=[initial]
+    )
     with trainer.init_module(empty_init=True):
         module = RegressionModule()
     built_on_meta = all(parameter.is_meta for parameter in module.parameters())
@@ -389,22 +404,62 @@ def meta_init_body() -> dict[str, Any]:
         "full_numels": {name: tensor.numel() for name, tensor in state.items()},
         "finite": all(torch.isfinite(tensor).all().item() for tensor in state.values()),
         "losses": module.micro_batch_losses,
+        "eager": eager,
+        "materialised": initial.weights,
     }
 
 
-def test_meta_device_model_is_materialised_per_shard_and_trains(rank_pool_2):
-    results = rank_pool_2.run(meta_init_body)
+@pytest.fixture(scope="module")
+def meta_init_results(rank_pool_2) -> list[dict[str, Any]]:
+    return rank_pool_2.run(meta_init_body)
+
+
+def _assert_initialised_like_torch(weights: dict[str, torch.Tensor]) -> None:
+    """By value, as far as it is seed-independent: torch's Linear and LayerNorm initialisations, not zeros or junk."""
+    for name, tensor in weights.items():
+        if ".norm." in name:
+            expected = torch.ones_like(tensor) if name.endswith("weight") else torch.zeros_like(tensor)
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=name)
+            continue
+        layer = name.rsplit(".", 1)[0]
+        bound = 1 / weights[f"{layer}.weight"].shape[1] ** 0.5  # kaiming_uniform(a=sqrt(5)) and the bias: U(+-bound)
+        assert tensor.abs().max().item() <= bound, (name, tensor.abs().max().item(), bound)
+        assert (tensor != 0).all(), f"{name}: zeros (a zero-filled initialisation?)"
+        if tensor.numel() >= 256:  # the uniform's standard deviation, bound / sqrt(3), within 15%
+            assert abs(tensor.std().item() * 3**0.5 / bound - 1) < 0.15, (name, tensor.std().item(), bound)
+
+
+def test_meta_device_model_is_materialised_per_shard_and_trains(meta_init_results):
+    results = meta_init_results
     for result in results:
         assert result["built_on_meta"], "Trainer.init_module(empty_init=True) must build on the meta device"
         assert not result["any_meta_after"]
         assert result["finite"] and all(loss == loss for loss in result["losses"])
+        _assert_initialised_like_torch(result["materialised"])
         # Each rank holds only its rows: the two local shards of a 32-row weight add up to the whole.
         name = "model.input.weight"
         assert result["local_numels"][name] < result["full_numels"][name]
+    torch.testing.assert_close(results[1]["materialised"], results[0]["materialised"], rtol=0, atol=0)
     assert (
         results[0]["local_numels"]["model.input.weight"] + results[1]["local_numels"]["model.input.weight"]
         == (results[0]["full_numels"]["model.input.weight"])
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "engine bug (lightning_colossal/fsdp/wrap.py materialize_meta_parameters, owner: FSDP): reset_parameters runs"
+        " on the DTensor shards after fully_shard, and on the CPU mesh (torch warns 'DTensor random operators may"
+        " not have complete support on cpu device mesh') every rank fills its own shard from the same random state:"
+        " rows 16-31 of model.input.weight and model.hidden.weight repeat rows 0-15 (duplicated hidden units), and"
+        " no parameter but the norm's equals the eager build of the same seed, although the docstring promises"
+        " 'initialised exactly as if it had been built normally'"
+    ),
+)
+def test_meta_device_model_is_initialised_like_the_eager_build_of_the_same_seed(meta_init_results):
+    for result in meta_init_results:
+        torch.testing.assert_close(result["materialised"], result["eager"], rtol=0, atol=0)
 
 
 def sharded_units_body(policy_kind: str) -> list[str]:
