@@ -1,10 +1,10 @@
 """torch FSDP2 (``fully_shard``) applied per block and per root, and undone at the end of a run; no Lightning here."""
 
 from lightning_colossal.fsdp.gradients import UnusedGradientTracker, include_unused_parameters_in_reduction
+from lightning_colossal.fsdp.initialise import initialise_shards, storage_free_template
 from lightning_colossal.fsdp.wrap import (
     detect_block_classes,
     full_tensor,
-    materialize_meta_parameters,
     shard_model,
     sharded_roots,
     unshard_model,
@@ -15,7 +15,8 @@ __all__ = [
     "include_unused_parameters_in_reduction",
     "detect_block_classes",
     "full_tensor",
-    "materialize_meta_parameters",
+    "initialise_shards",
+    "storage_free_template",
     "shard_model",
     "sharded_roots",
     "unshard_model",

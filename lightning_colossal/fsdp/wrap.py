@@ -110,30 +110,6 @@ def _shares_parameters_outside(block: nn.Module, module: nn.Module) -> bool:
     return False
 
 
-def materialize_meta_parameters(module: nn.Module, device: torch.device) -> bool:
-    """Allocate parameters built on the meta device and initialise them; returns whether there were any.
-
-    Each module's own initialiser runs, outermost first: a model whose root knows its full initialisation (the demo
-    GPT's ``reset_parameters``, a Hugging Face model's ``init_weights``) is initialised exactly as if it had been
-    built normally; its submodules are not initialised a second time.
-    """
-    if not any(parameter.is_meta for parameter in module.parameters()):
-        return False
-    module.to_empty(device=device)
-    _initialise_outermost(module)
-    return True
-
-
-def _initialise_outermost(module: nn.Module) -> None:
-    initialiser = getattr(module, "reset_parameters", None) or getattr(module, "init_weights", None)
-    if callable(initialiser):
-        with torch.no_grad():
-            initialiser()
-        return
-    for child in module.children():
-        _initialise_outermost(child)
-
-
 def sharded_roots(module: nn.Module) -> list[FSDPModule] | None:
     """The roots of a module an earlier run left sharded (see ``unshard_model``), or ``None`` if it is not sharded.
 

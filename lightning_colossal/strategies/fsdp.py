@@ -36,16 +36,17 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod
+from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
     detect_block_classes,
     full_tensor,
     include_unused_parameters_in_reduction,
-    materialize_meta_parameters,
     shard_model,
     sharded_roots,
     unshard_model,
 )
+from lightning_colossal.fsdp.initialise import DEFAULT_INIT_WINDOW_BYTES, initialise_shards, storage_free_template
 from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
 
 
@@ -177,6 +178,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
                 return type(candidate).__name__ in names
 
         self._names_before_sharding = {id(parameter): name for name, parameter in module.named_parameters()}
+        # [Note: FSDP meta initialisation]: the unsharded structure, storage-free, taken before sharding.
+        template = storage_free_template(module) if has_meta_tensors(module) else None
         roots = shard_model(
             module,
             self._sharding_mesh(),
@@ -186,7 +189,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
             cpu_offload=self.cpu_offload,
             activation_checkpointing=self.activation_checkpointing,
         )
-        materialize_meta_parameters(module, self.root_device)
+        if template is not None:
+            initialise_shards(module, template, self.root_device, DEFAULT_INIT_WINDOW_BYTES)
         return roots
 
     @contextmanager

@@ -446,17 +446,6 @@ def test_meta_device_model_is_materialised_per_shard_and_trains(meta_init_result
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "engine bug (lightning_colossal/fsdp/wrap.py materialize_meta_parameters, owner: FSDP): reset_parameters runs"
-        " on the DTensor shards after fully_shard, and on the CPU mesh (torch warns 'DTensor random operators may"
-        " not have complete support on cpu device mesh') every rank fills its own shard from the same random state:"
-        " rows 16-31 of model.input.weight and model.hidden.weight repeat rows 0-15 (duplicated hidden units), and"
-        " no parameter but the norm's equals the eager build of the same seed, although the docstring promises"
-        " 'initialised exactly as if it had been built normally'"
-    ),
-)
 def test_meta_device_model_is_initialised_like_the_eager_build_of_the_same_seed(meta_init_results):
     for result in meta_init_results:
         torch.testing.assert_close(result["materialised"], result["eager"], rtol=0, atol=0)

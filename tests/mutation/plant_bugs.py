@@ -78,11 +78,10 @@ BUGS = [
         (
             (
                 "lightning_colossal/strategies/fsdp.py",
-                "        materialize_meta_parameters(module, self.root_device)\n        return roots",
-                "        materialize_meta_parameters(module, self.root_device)\n"
+                "        if template is not None:\n            initialise_shards(",
                 "        for root in roots:\n"
                 "            root.set_gradient_divide_factor(1.0)\n"
-                "        return roots",
+                "        if template is not None:\n            initialise_shards(",
             ),
         ),
         (f"{DIST}/test_fsdp.py::-k oracle or clip", NEW_SCALE),
@@ -128,12 +127,9 @@ BUGS = [
         "FSDP materialises a meta-device model zero-filled instead of running its initialisers",
         (
             (
-                "lightning_colossal/fsdp/wrap.py",
-                "    module.to_empty(device=device)\n    _initialise_outermost(module)\n",
-                "    module.to_empty(device=device)\n"
-                "    with torch.no_grad():\n"
-                "        for parameter in module.parameters():\n"
-                "            parameter.zero_()\n",
+                "lightning_colossal/fsdp/initialise.py",
+                "                target.to_local().copy_(shard.to_local())",
+                "                target.to_local().zero_()",
             ),
         ),
         (f"{DIST}/test_fsdp.py::-k meta",),
