@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import differentiable
-from lightning_colossal.parallel.plan_policy import PlanPolicy
+from lightning_colossal.parallel.plan_policy import PlanPolicy, is_lora_layer
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, norm_parameters
 from lightning_colossal.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -92,6 +92,13 @@ class HuggingFacePlanPolicy(ModelPolicy):
             raise ValueError(
                 f"sequence_parallel='split_gather' is built in for Hugging Face {', '.join(PIPELINE_MODEL_TYPES)} models,"
                 f" not '{model_type}': drop sequence_parallel, or pass a ModelPolicy subclass."
+            )
+        lora_layers = [name for name, module in model.named_modules() if is_lora_layer(module)]
+        if lora_layers:
+            # plan_policy.py [Note: LoRA layers under tensor parallelism]: the adapters' gradients would be partial.
+            raise ValueError(
+                f"sequence_parallel='split_gather' does not split peft LoRA layers ({lora_layers[0]!r}, ...): drop"
+                " sequence_parallel; tensor parallelism alone splits LoRA layers."
             )
         plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
         for module in base.modules():

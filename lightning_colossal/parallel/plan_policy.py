@@ -105,8 +105,15 @@ class PlanPolicy(ModelPolicy):
             if style == REPLICATE_STYLE:
                 plan.replicated.extend(module.parameters(recurse=False))
                 continue
+            if is_lora_layer(module):
+                split_lora_layer(name, module, style, context, plan)
+                matched += 1
+                continue
             if not isinstance(module, nn.Linear):
-                raise TypeError(f"The plan splits {name!r} ({type(module).__name__}); only nn.Linear can be split.")
+                raise TypeError(
+                    f"The plan splits {name!r} ({type(module).__name__}); only nn.Linear (or a peft LoRA layer"
+                    " wrapping one) can be split."
+                )
             parent_name, _, attribute = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             split = column_parallel if style == "colwise" else row_parallel
@@ -142,3 +149,51 @@ class PlanPolicy(ModelPolicy):
             f" gradient is then summed over the tensor-parallel ranks), or '{REPLICATE_STYLE}' if it sees the whole"
             " input; or pass a ModelPolicy subclass that declares it."
         )
+
+
+# [Note: LoRA layers under tensor parallelism]
+# peft's ``get_peft_model`` replaces a targeted ``nn.Linear`` by a LoRA layer that keeps it as ``base_layer`` and adds
+# ``lora_B(lora_A(x)) * scaling`` to its output, under the same module name, so a plan's pattern now names the LoRA
+# layer. Splitting it means splitting ``base_layer`` and the one adapter matrix on the split side:
+# - colwise: the output features are split, so ``lora_B`` (``[out, r]``) is split by rows like the base, and
+#   ``lora_A`` stays whole: it sees the whole input and, because the column-parallel ``lora_B`` sums its input
+#   gradient over the tensor-parallel ranks in backward, gets the complete gradient on every rank (``replicated``).
+# - rowwise: the input features are split, so ``lora_A`` (``[r, in]``) is split by columns and its partial products
+#   are summed (a row-parallel layer of its own, an all-reduce of ``r`` features), and ``lora_B`` stays whole: it
+#   sees the whole, summed input and the whole output gradient (``replicated``).
+# Parameter names and ``requires_grad`` are unchanged (the frozen base stays frozen). DoRA (its magnitude normalises
+# by the whole weight's norm), LoRA on embeddings, and split-gather sequence parallelism (whose gathers and
+# reduce-scatters sit at block level and would leave the adapters' gradients partial) are refused.
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A peft LoRA layer around an ``nn.Linear`` (checked by structure, so peft need not be installed)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Linear) and isinstance(
+        getattr(module, "lora_A", None), nn.ModuleDict
+    )
+
+
+def split_lora_layer(name: str, module: nn.Module, style: str, context: ParallelContext, plan: ParallelPlan) -> None:
+    """Split a peft LoRA layer's base and adapters in place (see [Note: LoRA layers under tensor parallelism])."""
+    magnitudes = getattr(module, "lora_magnitude_vector", None)
+    if magnitudes is not None and len(magnitudes) > 0:
+        raise ValueError(
+            f"{name!r} is a DoRA layer (LoraConfig(use_dora=True)): its magnitude is normalised by the whole weight's"
+            " norm, which no tensor-parallel rank holds. Use plain LoRA (use_dora=False) with tp_size > 1, or train"
+            " DoRA with tp_size=1 (data parallelism and zero_stage still apply)."
+        )
+    if len(getattr(module, "lora_embedding_A", {})) > 0:
+        raise ValueError(f"{name!r} holds LoRA embedding adapters, which tensor parallelism does not split.")
+    column = style == "colwise"
+    split = column_parallel if column else row_parallel
+    module.base_layer = split(module.base_layer, context, plan)
+    split_side, whole_side = (module.lora_B, module.lora_A) if column else (module.lora_A, module.lora_B)
+    for adapter in list(split_side.keys()):
+        if not isinstance(split_side[adapter], nn.Linear):
+            raise TypeError(
+                f"The LoRA adapter {adapter!r} of {name!r} is a {type(split_side[adapter]).__name__}, not nn.Linear:"
+                " only linear LoRA adapters can be split; train it with tp_size=1."
+            )
+        split_side[adapter] = split(split_side[adapter], context, plan)
+    for adapter in whole_side.values():
+        plan.replicated.extend(adapter.parameters())

@@ -120,20 +120,23 @@ class ZeroEngine:
                 members.append(
                     ReducedParameter(name, parameter, shard_spec(parameter.shape, self.world_size, self.rank))
                 )
-        known = {id(member.parameter) for member in members}
+        # Frozen parameters in the optimizer are fine (users often pass `self.parameters()` for a LoRA model): they
+        # get no master, gradient slot or state, and `_replace_optimizer_parameters` drops them from the groups.
+        known = {id(parameter) for parameter in self.module.parameters()}
         strangers = len(in_optimizer - known)
         if strangers:
             raise ValueError(
-                f"The optimizer holds {strangers} tensor(s) that are not trainable parameters of the model: build it"
+                f"The optimizer holds {strangers} tensor(s) that are not parameters of the model: build it"
                 " in `configure_optimizers` from `self.parameters()` (or named subsets of them)."
             )
         return members
 
     def _broadcast_parameters(self) -> None:
-        # Replicas must start identical, as DDP guarantees at wrap time.
+        # Replicas must start identical, as DDP guarantees at wrap time: frozen weights too (a LoRA base), which no
+        # step ever re-synchronises.
         with torch.no_grad():
-            for member in self.members:
-                collectives.broadcast_tensor(member.parameter.data, source_rank=0, group=self.process_group)
+            for parameter in self.module.parameters():
+                collectives.broadcast_tensor(parameter.data, source_rank=0, group=self.process_group)
 
     def _allocate_masters(self) -> tuple[Tensor | None, Tensor | None]:
         if self.masters_alias_parameters:
@@ -160,7 +163,8 @@ class ZeroEngine:
             )
         master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
         for group in self.optimizer.param_groups:
-            group["params"] = [master_of[id(parameter)] for parameter in group["params"]]
+            # A frozen parameter never has a gradient to step, so it holds no place (and no state) in the optimizer.
+            group["params"] = [master_of[id(parameter)] for parameter in group["params"] if id(parameter) in master_of]
 
     # ---------------------------------------------------------------------------------------------- step
     @contextmanager
