@@ -9,6 +9,7 @@ pipeline parallelism is outermost because it only sends activations between neig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -69,15 +70,34 @@ class ParallelDims:
         return {axis: sizes[axis] for axis in MESH_AXES}
 
 
-def build_device_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh:
+def build_device_mesh(dims: ParallelDims, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh:
     """Create the ``DeviceMesh`` for ``dims`` on the device type of ``device``.
 
     Every rank must call this collectively (creating sub-groups is a collective operation). Axes of size 1 are
-    kept so code can always ask for ``mesh["dp"]`` and friends.
+    kept so code can always ask for ``mesh["dp"]`` and friends. ``timeout`` is applied to every axis's group.
     """
     sizes = dims.axis_sizes()
     forget_dtensor_plans()
-    return init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes.keys()))
+    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes.keys()))
+    if timeout is not None:
+        apply_timeout(mesh, timeout)
+    return mesh
+
+
+def apply_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
+    """Give every axis group of ``mesh`` the collective ``timeout``.
+
+    ``init_device_mesh`` creates an axis's group with torch's default timeout (30 minutes, 10 for NCCL), not the
+    world group's: a hang on the data-parallel axis of a tp x dp mesh would otherwise wait half an hour. torch sets a
+    live group's timeout only through a private function, so a torch without it keeps its default.
+    """
+    set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return
+    for dimension in range(mesh.ndim):
+        group = mesh.get_group(dimension)
+        if group.size() > 1:
+            set_timeout(timeout, group)
 
 
 def forget_dtensor_plans() -> None:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod
+from lightning_colossal.distributed.mesh import apply_timeout
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
@@ -133,7 +134,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
             return self.device_mesh["dp"]
         # HSDP: a 2-D mesh (replicate, shard); fully_shard replicates over the first axis, shards over the second.
         shape = (self.replicate_size, self.world_size // self.replicate_size)
-        return init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
+        apply_timeout(mesh, self._timeout)
+        return mesh
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
         # All-gather and compute in the plugin's compute dtype, reduce gradients in fp32 (autocast still decides
