@@ -36,10 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_colossal.parallel.policy import ModelPolicy
 
 __all__ = ["GPT", "GPTConfig", "Block", "TRANSFORMER_BLOCK_CLASSES"]
 
@@ -151,7 +155,7 @@ class Block(nn.Module):
         return hidden + self.mlp(self.mlp_norm(hidden))
 
 
-# Wrap policies (FSDP, Gemini, activation checkpointing) look the block class up here.
+# The block classes, for code that imports the demo. The engines never do: they read ``GPT._no_split_modules``.
 TRANSFORMER_BLOCK_CLASSES: tuple[type[nn.Module], ...] = (Block,)
 
 
@@ -165,7 +169,17 @@ class GPT(nn.Module):
         >>> model = GPT(GPTConfig(num_layers=2))
         >>> model(torch.zeros(3, 16, dtype=torch.long)).shape
         torch.Size([3, 16, 256])
+
+    [Note: the GPT declares its blocks and its policy]
+    The engines find what they need from the demo GPT by declarations on the model, never by importing the demo
+    (which imports Lightning): ``_no_split_modules`` names the repeated block class, as Hugging Face models do (FSDP
+    shards each ``Block`` as its own unit, ``lightning_colossal/fsdp/wrap.py`` ``detect_block_classes``), and
+    ``parallel_policy()`` returns the hybrid-parallel policy (``find_policy`` in
+    ``lightning_colossal/parallel/policies.py`` asks every module for one before the built-in policies).
     """
+
+    #: The repeated block class, by name, as Hugging Face models declare theirs (see the Note above).
+    _no_split_modules = ["Block"]
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -210,6 +224,13 @@ class GPT(nn.Module):
                     nn.init.ones_(module.weight)
                     if module.bias is not None:
                         nn.init.zeros_(module.bias)
+
+    def parallel_policy(self) -> ModelPolicy:
+        """The policy ``colossal_hybrid`` splits this model with (see [Note: the GPT declares its blocks and its
+        policy])."""
+        from lightning_colossal.demo.parallel_policy import GPTPolicy  # tensor-parallel layers load only when needed
+
+        return GPTPolicy()
 
     def num_parameters(self) -> int:
         """Number of distinct parameter elements; a tied weight counts once."""

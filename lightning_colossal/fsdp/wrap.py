@@ -42,7 +42,9 @@ from torch.distributed.tensor import DTensor
 
 
 def detect_block_classes(module: nn.Module, known_blocks: Iterable[str] = ()) -> set[str]:
-    """Class names of repeated transformer blocks: Hugging Face's ``_no_split_modules`` plus ``known_blocks``."""
+    """Class names of repeated transformer blocks: those any submodule declares in ``_no_split_modules`` (Hugging
+    Face's convention, which the demo GPT follows too), plus ``known_blocks``. Declarations, not imports: this package
+    never imports a model's code (docs/architecture.md, section 1)."""
     names = set(known_blocks)
     for submodule in module.modules():
         names.update(getattr(submodule, "_no_split_modules", None) or [])

@@ -1,11 +1,18 @@
-"""Choosing the policy for a model: a built-in one by model class, a user plan, or the user's own policy."""
+"""Choosing the policy for a model: one the model declares, a built-in one by model class, a user plan, or the
+user's own policy.
+
+[Note: declared policies]
+A model may declare its own policy: a method ``parallel_policy(self) -> ModelPolicy`` on its class. ``find_policy``
+asks every module, outermost first, before trying the built-in policies on it; the demo GPT declares its policy this
+way (``lightning_colossal/demo/parallel_policy.py``), so this package never imports the demo, which imports
+Lightning (docs/architecture.md, section 1).
+"""
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_colossal.parallel.gpt_policy import GPTPolicy
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, refuse_sequence_parallel
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
@@ -46,14 +53,35 @@ class UserTensorParallelPolicy(ModelPolicy):
         return ParallelPlan()
 
 
+#: The method by which a model declares its own policy (see [Note: declared policies]).
+DECLARED_POLICY_METHOD = "parallel_policy"
+
+
+def declared_policy(module: nn.Module) -> ModelPolicy | None:
+    """The policy ``module`` declares with ``parallel_policy()``, or ``None`` (see [Note: declared policies]).
+
+    Raises:
+        TypeError: the declaration returned something other than a ``ModelPolicy``.
+    """
+    # Looked up on the class: nn.Module's attribute lookup would also find a submodule or parameter of that name.
+    if not callable(getattr(type(module), DECLARED_POLICY_METHOD, None)):
+        return None
+    policy = getattr(module, DECLARED_POLICY_METHOD)()
+    if not isinstance(policy, ModelPolicy):
+        raise TypeError(
+            f"{type(module).__name__}.{DECLARED_POLICY_METHOD}() returned {type(policy).__name__}, not a"
+            " lightning_colossal.parallel.ModelPolicy."
+        )
+    return policy
+
+
 def built_in_policies() -> list[ModelPolicy]:
-    """Built-in policies, most specific first."""
-    policies: list[ModelPolicy] = [GPTPolicy()]
+    """Built-in policies, most specific first (models may also declare their own: [Note: declared policies])."""
     try:
         from lightning_colossal.parallel.huggingface import huggingface_policies
     except ImportError:  # transformers is an optional dependency
-        return policies
-    return policies + huggingface_policies()
+        return []
+    return huggingface_policies()
 
 
 def find_policy(
@@ -77,14 +105,18 @@ def find_policy(
         return root, PlanPolicy(policy)
     candidates: list[ModelPolicy] = [policy] if policy is not None else built_in_policies()
     for module in root.modules():
+        declared = declared_policy(module) if policy is None else None
+        if declared is not None:
+            return module, declared
         for candidate in candidates:
             if candidate.accepts(module):
                 return module, candidate
     if not model_parallel:
         return root, DataParallelOnlyPolicy()
-    known = ", ".join(candidate.name for candidate in built_in_policies())
+    known = ", ".join(candidate.name for candidate in built_in_policies()) or "none: transformers is not installed"
     raise TypeError(
-        f"No model inside {type(root).__name__} is one the hybrid strategy knows how to split (built-in policies: {known})."
-        " Build such a model in `configure_model`, pass `policy={'pattern.*.of.linear': 'colwise' | 'rowwise', ...}`,"
-        " or pass a `ModelPolicy` subclass for your model."
+        f"No model inside {type(root).__name__} is one the hybrid strategy knows how to split (built-in policies: {known};"
+        f" models may declare their own with a `{DECLARED_POLICY_METHOD}()` method, as the demo GPT does). Build such a"
+        " model in `configure_model`, pass `policy={'pattern.*.of.linear': 'colwise' | 'rowwise', ...}`, or pass a"
+        " `ModelPolicy` subclass for your model."
     )

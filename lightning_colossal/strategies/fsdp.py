@@ -56,8 +56,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
 
     Args:
         wrap_policy: which modules to shard one by one (transformer blocks): a list of class names, or a predicate
-            ``module -> bool``. ``None`` detects them: the demo GPT's ``Block`` and a Hugging Face model's
-            ``_no_split_modules``.
+            ``module -> bool``. ``None`` detects them: the classes a model names in ``_no_split_modules`` (Hugging
+            Face models; the demo GPT declares its ``Block`` the same way).
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward
             (ZeRO-2-like: more memory, one all-gather less per step).
         cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (FSDP2's ``CPUOffloadPolicy``).
@@ -168,14 +168,11 @@ class ColossalFSDPStrategy(ColossalStrategy):
             self.model.to(self.root_device)
 
     def _shard(self, module: pl.LightningModule) -> list[FSDPModule]:
-        from lightning_colossal.demo.model import TRANSFORMER_BLOCK_CLASSES
-
         policy = self.wrap_policy
         if callable(policy):
             is_block = policy
         else:
-            known = [block.__name__ for block in TRANSFORMER_BLOCK_CLASSES]
-            names = set(policy) if policy is not None else detect_block_classes(module, known)
+            names = set(policy) if policy is not None else detect_block_classes(module)
 
             def is_block(candidate: torch.nn.Module) -> bool:
                 return type(candidate).__name__ in names

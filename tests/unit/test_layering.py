@@ -1,18 +1,34 @@
-"""The layering rules of docs/architecture.md, checked by scanning imports and calls with `ast`.
+"""The layering rules of docs/architecture.md, checked by scanning imports and calls with `ast`, and by importing.
 
-- engines (zero/, gemini/, parallel/, fsdp/) never import lightning and never each other (parallel/ may use
-  zero's public package API);
+- engines (zero/, gemini/, parallel/, fsdp/) never import lightning, the demo or the Lightning layers, and never each
+  other (parallel/ may use zero's public package API);
 - only strategies/, precision.py, callbacks/, checkpoint/ and demo/ (plus the package root that registers names)
   may import lightning;
+- the Lightning-free modules (the engines, distributed/, checkpoint/, config.py, consolidate.py) reach neither
+  lightning nor demo/ through any chain of the project's own imports (an `ast` walk of the import graph), and
+  importing them in a fresh interpreter loads neither (with the package root left out: it registers the strategy
+  names, so it must import Lightning);
+- nothing outside demo/ imports the demo, and importing the package (which registers the strategies) does not load
+  it;
 - only distributed/ calls torch.distributed collectives.
 """
 
 import ast
+import json
+import textwrap
 from pathlib import Path
+
+from tests.fresh_interpreter import run_python
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_colossal"
 ENGINES = ("zero", "gemini", "parallel", "fsdp")
 MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "checkpoint", "demo", "__init__.py")
+# Lightning adapters and the demo: engines import none of them (they import lightning, and the demo is a workload).
+FORBIDDEN_FOR_ENGINES = ("demo", "strategies", "precision", "callbacks")
+# Modules that must work without Lightning: every module outside MAY_IMPORT_LIGHTNING, and checkpoint/ (section 1 of
+# docs/architecture.md: "no Lightning import").
+LIGHTNING_FREE = (*ENGINES, "distributed", "checkpoint", "config", "consolidate")
+LIGHTNING_DISTRIBUTIONS = ("lightning", "pytorch_lightning", "lightning_fabric")
 COLLECTIVES = {
     "all_reduce",
     "all_gather",
@@ -41,6 +57,11 @@ def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE)
         yield relative, ast.parse(path.read_text(), filename=str(path))
+
+
+def _module_name(relative):
+    parts = [PACKAGE.name, *relative.with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imported_names(tree):
@@ -91,6 +112,166 @@ def test_only_allowed_layers_import_lightning():
     )
 
 
+def _import_graph(trees):
+    """``{module: (project modules its imports execute, outside top-level names it imports)}`` for the modules
+    ``trees`` (``{dotted name: ast}``), imports inside functions included.
+
+    Importing ``a.b.c`` executes the packages ``a`` and ``a.b`` first, and ``from a.b import c`` executes ``a.b.c``
+    when that is a module: both count. The package root is left out: every import of a submodule executes it, and it
+    imports Lightning to register the strategy names (the run-time tests below check the engines without it).
+    """
+    root = PACKAGE.name
+    graph = {}
+    for name, tree in trees.items():
+        # The package relative imports start from (a package is a module with submodules here).
+        package = name if any(other.startswith(name + ".") for other in trees) else name.rpartition(".")[0]
+        targets, outside = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                dotted = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                dotted = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            for imported in dotted:
+                parts = imported.split(".")
+                if parts[0] != root:
+                    outside.add(parts[0])
+                    continue
+                targets.update(
+                    ".".join(parts[:end]) for end in range(2, len(parts) + 1) if ".".join(parts[:end]) in trees
+                )
+        targets.discard(name)
+        graph[name] = (targets, outside)
+    return graph
+
+
+def _chain_to_forbidden(graph, start):
+    """The shortest import chain from ``start`` to a forbidden module (demo/, a Lightning layer, or a module that
+    imports lightning), as ``"a -> b -> c"``; ``None`` if ``start`` reaches none."""
+    parents, queue = {start: None}, [start]
+    for current in queue:
+        targets, outside = graph[current]
+        forbidden_layer = "." in current and current.split(".")[1] in FORBIDDEN_FOR_ENGINES
+        if forbidden_layer or outside & set(LIGHTNING_DISTRIBUTIONS):
+            chain, step = [], current
+            while step is not None:
+                chain.append(step)
+                step = parents[step]
+            return " -> ".join(reversed(chain)) + ("" if forbidden_layer else " -> lightning")
+        for target in sorted(targets):
+            if target not in parents:
+                parents[target] = current
+                queue.append(target)
+    return None
+
+
+def _project_trees():
+    return {_module_name(relative): tree for relative, tree in _modules()}
+
+
+def test_lightning_free_modules_reach_neither_lightning_nor_the_demo_transitively():
+    trees = _project_trees()
+    graph = _import_graph(trees)
+    offenders = []
+    for name in sorted(trees):
+        parts = name.split(".")
+        chain = _chain_to_forbidden(graph, name) if len(parts) > 1 and parts[1] in LIGHTNING_FREE else None
+        if chain is not None:
+            offenders.append(chain)
+    assert not offenders, (
+        "engines, distributed/, checkpoint/, config.py and consolidate.py must not import lightning or the demo, even"
+        " through other modules of the package (let a model declare what engines need, as the demo GPT declares"
+        " `_no_split_modules` and `parallel_policy()`):\n" + "\n".join(offenders)
+    )
+
+
+# Run in a fresh interpreter: a stand-in for the package root (whose __init__ imports Lightning to register the
+# strategy names) lets the Lightning-free packages be imported on their own; an import hook records which module was
+# executing when a forbidden one was first requested.
+_IMPORT_WITHOUT_THE_ROOT = """
+import importlib, json, sys, types
+
+package, modules, forbidden = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+loaded = {}  # forbidden prefix -> the chain of project modules executing when it was first requested
+
+
+class Recorder:
+    def find_spec(self, name, path=None, target=None):
+        prefix = next((p for p in forbidden if name == p or name.startswith(p + ".")), None)
+        if prefix is not None and prefix not in loaded:
+            frame, chain = sys._getframe(1), []
+            while frame is not None:
+                module = frame.f_globals.get("__name__", "")
+                if module.startswith("lightning_colossal") and (not chain or chain[-1] != module):
+                    chain.append(module)
+                frame = frame.f_back
+            loaded[prefix] = " -> ".join([*reversed(chain), name])
+        return None
+
+
+root = types.ModuleType("lightning_colossal")
+root.__path__ = [package]
+sys.modules["lightning_colossal"] = root
+sys.meta_path.insert(0, Recorder())
+for module in modules:
+    importlib.import_module(module)
+still = sorted(name for name in sys.modules if any(name == p or name.startswith(p + ".") for p in forbidden))
+print(json.dumps({"loaded": sorted(loaded.values()), "in_sys_modules": still}))
+"""
+
+
+def _import_in_fresh_interpreter(tmp_path, source, *arguments):
+    result = run_python(["-c", textwrap.dedent(source), *arguments], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_lightning_free_packages_loads_neither_lightning_nor_the_demo(tmp_path):
+    modules = sorted(f"lightning_colossal.{name}" for name in LIGHTNING_FREE)
+    forbidden = [*LIGHTNING_DISTRIBUTIONS, *(f"lightning_colossal.{layer}" for layer in FORBIDDEN_FOR_ENGINES)]
+    report = _import_in_fresh_interpreter(
+        tmp_path, _IMPORT_WITHOUT_THE_ROOT, str(PACKAGE), ",".join(modules), ",".join(forbidden)
+    )
+    assert report["loaded"] == [] and report["in_sys_modules"] == [], (
+        "importing the Lightning-free packages loaded lightning or the demo; first requested through:\n"
+        + "\n".join(report["loaded"] or report["in_sys_modules"])
+    )
+
+
+def test_importing_the_package_does_not_load_the_demo(tmp_path):
+    # The package root imports Lightning (strategy registration), but the library never needs the demo workload.
+    report = _import_in_fresh_interpreter(
+        tmp_path,
+        """
+        import json, sys
+        import lightning_colossal
+        import lightning_colossal.parallel
+        print(json.dumps(sorted(name for name in sys.modules if name.startswith("lightning_colossal.demo"))))
+        """,
+    )
+    assert report == [], f"import lightning_colossal loaded the demo: {report}"
+
+
+def test_only_the_demo_imports_the_demo():
+    # The demo is a workload built on the library, never a part of it: library code (lazy imports inside functions
+    # included) finds what it needs from the demo GPT through the model's declarations.
+    offenders = []
+    for relative, tree in _modules():
+        if relative.parts[0] == "demo":
+            continue
+        offenders.extend(
+            f"{relative}: imports {name}"
+            for name in _imported_names(tree)
+            if name == "lightning_colossal.demo" or name.startswith("lightning_colossal.demo.")
+        )
+    assert not offenders, "only demo/ may import lightning_colossal.demo:\n" + "\n".join(offenders)
+
+
 def test_engines_do_not_import_each_other():
     offenders = []
     for relative, tree in _modules():
@@ -110,7 +291,11 @@ def test_engines_do_not_import_each_other():
                 and not composes_zero
             ):
                 offenders.append(f"{relative}: imports {name}")
-    assert not offenders, "engines must not import each other's internals:\n" + "\n".join(offenders)
+            if parts[0] == "lightning_colossal" and len(parts) > 1 and parts[1] in FORBIDDEN_FOR_ENGINES:
+                offenders.append(f"{relative}: imports {name} (the demo or a Lightning layer)")
+    assert not offenders, "engines must not import each other's internals, the demo or the Lightning layers:\n" + (
+        "\n".join(offenders)
+    )
 
 
 def test_only_distributed_calls_collectives():
@@ -130,3 +315,50 @@ def test_the_scan_sees_violations():
     assert list(_collective_calls(bad))
     assert any(name.startswith("lightning") for name in _imported_names(bad))
     assert list(_modules()), "found no modules: the package path is wrong"
+    # The transitive walk: an engine reaching the demo through a package __init__, then lightning.
+    fake = {
+        "lightning_colossal.parallel": "from lightning_colossal.parallel.policies import find_policy",
+        "lightning_colossal.parallel.policies": "from lightning_colossal.parallel.gpt import GPTPolicy",
+        "lightning_colossal.parallel.gpt": "def f():\n    from lightning_colossal.distributed.x import y",
+        "lightning_colossal.distributed": "",
+        "lightning_colossal.distributed.x": "from lightning_colossal.demo.model import GPT",
+        "lightning_colossal.demo": "from lightning_colossal.demo.module import Module",
+        "lightning_colossal.demo.model": "import torch",
+        "lightning_colossal.demo.module": "import lightning.pytorch as pl",
+        "lightning_colossal.zero": "from . import engine",
+        "lightning_colossal.zero.engine": "from ..demo import model",
+    }
+    graph = _import_graph({name: ast.parse(source) for name, source in fake.items()})
+    assert _chain_to_forbidden(graph, "lightning_colossal.parallel") == (
+        "lightning_colossal.parallel -> lightning_colossal.parallel.policies -> lightning_colossal.parallel.gpt"
+        " -> lightning_colossal.distributed.x -> lightning_colossal.demo"
+    )
+    assert _chain_to_forbidden(graph, "lightning_colossal.zero") == (
+        "lightning_colossal.zero -> lightning_colossal.zero.engine -> lightning_colossal.demo"
+    )
+    assert _chain_to_forbidden(graph, "lightning_colossal.distributed") is None
+    fake["lightning_colossal.distributed"] = "from lightning_colossal.checkpoint import save"
+    fake["lightning_colossal.checkpoint"] = "import lightning_fabric"
+    graph = _import_graph({name: ast.parse(source) for name, source in fake.items()})
+    assert _chain_to_forbidden(graph, "lightning_colossal.distributed") == (
+        "lightning_colossal.distributed -> lightning_colossal.checkpoint -> lightning"
+    )
+
+
+def test_the_engines_find_the_demo_gpt_by_its_declarations():
+    # What replaced the engines' imports of the demo: the model names its block class and returns its policy.
+    from torch import nn
+
+    from lightning_colossal.demo.model import GPT, GPTConfig
+    from lightning_colossal.demo.parallel_policy import GPTPolicy
+    from lightning_colossal.fsdp import detect_block_classes
+    from lightning_colossal.parallel import find_policy
+
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, num_layers=2, num_heads=2, embed_dim=16))
+    root = nn.ModuleDict({"model": model})
+    assert detect_block_classes(root) == {"Block"}
+    found, policy = find_policy(root, None)
+    assert found is model and isinstance(policy, GPTPolicy)
+    # A policy passed by the user wins over the declared one.
+    user_policy = GPTPolicy()
+    assert find_policy(root, user_policy) == (model, user_policy)

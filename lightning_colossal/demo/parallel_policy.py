@@ -1,4 +1,9 @@
-"""The policy for the demo GPT (``lightning_colossal.demo.model``): tensor, sequence and pipeline parallelism.
+"""The hybrid-parallel policy of the demo GPT (``lightning_colossal.demo.model``): tensor, sequence and pipeline
+parallelism.
+
+The engine never imports this module: ``GPT.parallel_policy()`` returns the policy, and ``find_policy``
+(``lightning_colossal/parallel/policies.py``) asks each module for its declared policy, so ``parallel/`` needs no
+import of the demo (docs/architecture.md, section 1).
 
 Tensor parallelism follows Megatron: ``qkv`` and ``mlp.fc`` column-parallel, ``attn.proj`` and ``mlp.proj``
 row-parallel (the fused ``qkv`` is head-major, see the model's [Note: head-major fused qkv], so a contiguous column
