@@ -22,6 +22,15 @@ GradientCompression = Literal["fp16", "bf16"]
 
 DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
+#: How long a peer's heartbeat may stop before the watchdog stops this rank (``lightning_colossal/distributed/
+#: watchdog.py``). 60 s: long enough that a busy but live process (a long checkpoint write, a compile) never trips it,
+#: since its heartbeat thread keeps beating; short enough that a dead rank costs a minute, not the 30-minute
+#: collective timeout. A peer on the same host whose process is gone is found within one heartbeat interval (1 s).
+DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
+
+NonFiniteAction = Literal["raise", "skip", "warn"]
+NONFINITE_ACTIONS: tuple[str, ...] = ("raise", "skip", "warn")
+
 
 @dataclass(frozen=True, kw_only=True)
 class LossScalerConfig:
@@ -290,6 +299,16 @@ def validate_precision(precision: str) -> PrecisionName:
             f" {', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}.{hint}"
         )
     return precision  # type: ignore[return-value]
+
+
+def validate_nonfinite_action(action: str) -> NonFiniteAction:
+    """Check ``on_nonfinite``; see ``precision.py`` [Note: non-finite values without a loss scaler]."""
+    if action not in NONFINITE_ACTIONS:
+        raise ValueError(
+            f"on_nonfinite={action!r} is not supported: use 'raise' (stop every rank), 'skip' (skip the step on every"
+            " rank) or 'warn' (report and step anyway)."
+        )
+    return action  # type: ignore[return-value]
 
 
 def validate_start_method(start_method: str) -> StartMethod:

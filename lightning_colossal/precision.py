@@ -10,6 +10,19 @@ With sharded gradients each rank sees only part of the gradient, so an inf/nan m
 overflow flag is therefore all-reduced (MAX) over the strategy's process group before deciding to skip a step,
 so every rank skips the same step and the replicas never diverge. It costs one scalar collective per step.
 
+[Note: non-finite values without a loss scaler]
+Under ``32-true``, ``bf16-mixed`` and ``bf16-true`` nothing skips a step whose loss or gradients are inf/nan, and one
+such step turns every weight into nan. So after backward each rank checks its loss (flagged in ``pre_backward``, on
+the device, without a host sync per micro-batch) and its gradient shards (the fused kernel fp16 uses, with scale 1),
+and the ranks vote with one all-reduce of a ``2 * world_size`` flag vector: like [Note: overflow is global] every
+rank then takes the same decision, and the vector also says *which* ranks saw a bad loss or bad gradients, so the
+message names where the fault started (a nan loss on one rank spreads to every rank's gradients through the
+reduction). ``on_nonfinite`` chooses: ``"raise"`` (default) raises ``FloatingPointError`` on every rank before the
+step, so the weights and the last checkpoint stay finite; ``"skip"`` skips the step on every rank and warns, like the
+fp16 scaler; ``"warn"`` warns and steps anyway. ``"raise"`` is the default because without a scaler a non-finite
+value is not a routine event: it means divergence or bad data, and a run that skips every later step would burn its
+budget without training. ``16-mixed`` keeps the scaler's behaviour (skip and back off), which already votes.
+
 [Note: clipping belongs to the engine]
 Lightning clips through the precision plugin and only passes the optimizer. A sharded engine must compute the
 norm over all shards, so the strategy installs a ``GradientClipper`` on the plugin; the default clips the local
@@ -29,13 +42,20 @@ from lightning.pytorch.plugins.precision.amp import MixedPrecision
 from lightning.pytorch.plugins.precision.double import DoublePrecision
 from lightning.pytorch.plugins.precision.half import HalfPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import LossScalerConfig, PrecisionName, validate_precision
+from lightning_colossal.config import (
+    LossScalerConfig,
+    NonFiniteAction,
+    PrecisionName,
+    validate_nonfinite_action,
+    validate_precision,
+)
 from lightning_colossal.distributed import collectives
 
 
@@ -117,6 +137,9 @@ class ColossalPrecision(Precision):
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``.
         loss_scaler: dynamic loss scaling settings, used only by ``"16-mixed"``.
         device_type: device type for autocast; the strategy sets it from its root device during setup.
+        on_nonfinite: what a non-finite loss or gradient on any rank does without a loss scaler: ``"raise"``
+            (stop every rank before the step), ``"skip"`` (skip the step on every rank) or ``"warn"`` (step anyway).
+            See [Note: non-finite values without a loss scaler]; ``"16-mixed"`` always skips through its scaler.
     """
 
     def __init__(
@@ -124,6 +147,7 @@ class ColossalPrecision(Precision):
         precision: PrecisionName = "32-true",
         loss_scaler: LossScalerConfig | None = None,
         device_type: str = "cpu",
+        on_nonfinite: NonFiniteAction = "raise",
     ) -> None:
         self.precision = validate_precision(precision)  # type: ignore[assignment]
         self.device_type = device_type
@@ -134,6 +158,11 @@ class ColossalPrecision(Precision):
         self.process_group: ProcessGroup | None = None
         # Filled by every optimizer_step: whether the last step was skipped because of an overflow.
         self.last_step_skipped = False
+        self.on_nonfinite: NonFiniteAction = validate_nonfinite_action(on_nonfinite)
+        #: Steps skipped because of a non-finite loss or gradient (``on_nonfinite="skip"``; not fp16 overflows).
+        self.nonfinite_skipped_steps = 0
+        # Set in pre_backward when a loss since the last step was inf/nan; a device tensor, read at the vote.
+        self._nonfinite_loss: Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ dtypes and contexts
     @property
@@ -190,6 +219,9 @@ class ColossalPrecision(Precision):
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         if self.loss_scaler is not None:
             tensor = tensor * self.loss_scaler.scale
+        else:
+            bad = ~torch.isfinite(tensor.detach()).all()
+            self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss | bad
         return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
@@ -201,7 +233,10 @@ class ColossalPrecision(Precision):
     ) -> Any:
         self.last_step_skipped = False
         if self.loss_scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            if isinstance(optimizer, torch.optim.LBFGS):
+                # LBFGS re-evaluates the closure inside step(); it cannot be run once up front and checked.
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            return self._step_unless_nonfinite(optimizer, model, closure, **kwargs)
         closure_result = closure()
         automatic = getattr(model, "automatic_optimization", True)
         skipped_backward = closure_result is None and automatic
@@ -217,6 +252,67 @@ class ColossalPrecision(Precision):
             self.last_step_skipped = True
             return closure_result
         return optimizer.step(**kwargs)
+
+    def _step_unless_nonfinite(
+        self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Run the closure, vote on non-finite values, then step, skip or raise (see [Note: non-finite values without
+        a loss scaler])."""
+        closure_result = closure()
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            # training_step returned None: no backward ran, nothing to check or step.
+            self._nonfinite_loss = None
+            self._after_closure(model, optimizer)
+            return closure_result
+        loss_ranks, gradient_ranks = self.nonfinite_ranks(optimizer)  # type: ignore[arg-type]
+        if not loss_ranks and not gradient_ranks:
+            self._after_closure(model, optimizer)
+            return optimizer.step(**kwargs)
+        step = getattr(model, "global_step", "?")
+        found = (
+            f"Step {step} (global_step): non-finite loss on rank(s) {loss_ranks or 'none'}, non-finite gradients on"
+            f" rank(s) {gradient_ranks or 'none'} (precision {self.precision!r})."
+        )
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"{found} No rank took this step, so the weights and the last checkpoint are still finite. Look at the"
+                " batch the first rank listed read at this step, lower the learning rate or clip gradients"
+                " (`Trainer(gradient_clip_val=...)`); or pass `on_nonfinite='skip'` to the strategy or to"
+                " `ColossalPrecision` to skip such steps on every rank and go on."
+            )
+        self._after_closure(model, optimizer)
+        if self.on_nonfinite == "skip":
+            self.nonfinite_skipped_steps += 1
+            self.last_step_skipped = True
+            rank_zero_warn(f"{found} Skipped this optimizer step on every rank (on_nonfinite='skip').")
+            return closure_result
+        rank_zero_warn(f"{found} Stepping anyway (on_nonfinite='warn'): the weights may become non-finite.")
+        return optimizer.step(**kwargs)
+
+    def nonfinite_ranks(self, optimizer: Optimizer) -> tuple[list[int], list[int]]:
+        """The ranks whose loss (since the last step) and whose gradient shards hold an inf/nan, agreed by all ranks.
+
+        One all-reduce (MAX) of a ``2 * world_size`` vector of flags over the plugin's process group.
+        """
+        gradients = optimizer_gradients(optimizer)
+        device = gradients[0].device if gradients else torch.device(self.device_type)
+        world_size, rank = collectives.world_size(self.process_group), collectives.rank(self.process_group)
+        flags = torch.zeros(2 * world_size, device=device)
+        if self._nonfinite_loss is not None:
+            flags[rank] = self._nonfinite_loss.to(device=device, dtype=flags.dtype)
+        self._nonfinite_loss = None
+        if gradients:
+            found = torch.zeros(1, device=device)
+            unit_scale = torch.ones(1, device=device)  # multiplying by 1 changes no finite gradient
+            for group in _group_by_device_and_dtype(gradients):
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, unit_scale)
+            flags[world_size + rank] = found[0]
+        collectives.all_reduce(flags, op="max", group=self.process_group)
+        seen = flags.cpu().tolist()
+        return (
+            [index for index in range(world_size) if seen[index] > 0],
+            [index for index in range(world_size) if seen[world_size + index] > 0],
+        )
 
     def unscale_and_check(self, optimizer: Optimizer) -> bool:
         """Divide every gradient by the loss scale and report an inf/nan on any rank (see [Note: overflow is global])."""

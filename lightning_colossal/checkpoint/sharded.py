@@ -15,6 +15,7 @@ for one copy of the weights, and the file holds exactly what the consolidate com
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import uuid
 from pathlib import Path
@@ -191,5 +192,13 @@ def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> d
 
 
 def load_file_weights(files: CheckpointFiles) -> dict[str, torch.Tensor]:
-    """The full weights stored in a checkpoint file (memory-mapped: pages are read as the tensors are used)."""
-    return read_checkpoint_file(files.path)["state_dict"]
+    """The full weights stored in a checkpoint file, read whole now: a file cut short fails here, naming the file,
+    rather than when a memory-mapped tensor is first touched."""
+    try:
+        # Our own file, read like its Lightning entries (which need full unpickling).
+        return torch.load(files.path, map_location="cpu", weights_only=False)["state_dict"]
+    except (OSError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError) as error:
+        raise ValueError(
+            f"Cannot read the weights in the checkpoint file {files.path} ({error}): it is truncated (an interrupted"
+            " copy?) or not a lightning_colossal checkpoint. Use an intact copy, or an earlier checkpoint."
+        ) from error

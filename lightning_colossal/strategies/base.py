@@ -18,6 +18,7 @@ callbacks, LR schedulers and the precision plugin (loss scaler) from the entries
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -33,7 +34,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import Tensor
@@ -65,13 +66,18 @@ from lightning_colossal.checkpoint.sharded import (
 )
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     LossScalerConfig,
+    NonFiniteAction,
     StartMethod,
+    validate_nonfinite_action,
     validate_start_method,
 )
 from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
 from lightning_colossal.distributed.meta_init import has_meta_tensors
+from lightning_colossal.distributed.watchdog import HeartbeatWatchdog, next_generation
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
+from lightning_colossal.strategies.docstrings import complete_argument_docs
 from lightning_colossal.strategies.launcher import FullWeightsMultiProcessingLauncher
 
 
@@ -86,6 +92,12 @@ class ColossalStrategy(ParallelStrategy):
         timeout: how long a collective may wait before failing instead of hanging.
         start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
         loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
+        heartbeat_timeout: stop this rank when a peer's heartbeat has been silent this long (a dead or frozen
+            process), instead of waiting for ``timeout``; ``None`` turns the watchdog off
+            (``distributed/watchdog.py`` [Note: why a watchdog]). Also settable as ``strategy.heartbeat_timeout``.
+        on_nonfinite: ``"raise"``, ``"skip"`` or ``"warn"`` on a non-finite loss or gradient without a loss scaler
+            (``precision.py`` [Note: non-finite values without a loss scaler]); ``None`` keeps the precision
+            plugin's setting (``"raise"`` unless a ``ColossalPrecision`` says otherwise).
     """
 
     #: Registered string name of the strategy (``*_notebook`` is registered too, with ``start_method="fork"``).
@@ -94,6 +106,13 @@ class ColossalStrategy(ParallelStrategy):
     #: or ``torch.device("meta")`` in ``configure_model``): such a model is materialised shard by shard by the engine,
     #: never moved whole to the device.
     materialises_meta_models: ClassVar[bool] = False
+    #: Classes describing constructor arguments the strategy forwards (a config); with this base's own docstring
+    #: they complete every subclass's ``Args:`` section (``strategies/docstrings.py``).
+    argument_doc_sources: ClassVar[tuple[type, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        complete_argument_docs(cls, (*cls.argument_doc_sources, ColossalStrategy))
 
     def __init__(
         self,
@@ -104,6 +123,8 @@ class ColossalStrategy(ParallelStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -116,6 +137,9 @@ class ColossalStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = validate_start_method(start_method)
         self._loss_scaler_config = loss_scaler
+        self.heartbeat_timeout = heartbeat_timeout
+        self._on_nonfinite = None if on_nonfinite is None else validate_nonfinite_action(on_nonfinite)
+        self._watchdog: HeartbeatWatchdog | None = None
         self._num_nodes = 1
         self._device_mesh: DeviceMesh | None = None
         self._parallel_dims: ParallelDims | None = None
@@ -219,10 +243,79 @@ class ColossalStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         self._validate_world_size()
         self._parallel_dims = self._build_parallel_dims()
-        self._device_mesh = build_device_mesh(self._parallel_dims, self.root_device)
+        self._device_mesh = build_device_mesh(self._parallel_dims, self.root_device, self._timeout)
         if self.lightning_module is not None:
             # LightningModule.device_mesh: lets configure_model() parallelise against our mesh.
             self.lightning_module._device_mesh = self._device_mesh
+        self._start_watchdog()
+
+    def _start_watchdog(self) -> None:
+        """Heartbeat to the other ranks through the process group's store (``distributed/watchdog.py``)."""
+        self._stop_watchdog(clean=True)  # a watchdog left by an earlier Trainer call in this process
+        # Counted on every rank, so all ranks use the same keys even when this one runs without a watchdog.
+        generation = next_generation()
+        if self.heartbeat_timeout is None or collectives.world_size() < 2:
+            return
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._watchdog = HeartbeatWatchdog(
+            _get_default_store(),
+            rank=self.global_rank,
+            world_size=collectives.world_size(),
+            timeout=self.heartbeat_timeout,
+            current_step=self._current_global_step,
+            prefix=f"lightning_colossal/watchdog/{generation}",
+        ).start()
+
+    def _stop_watchdog(self, clean: bool, wait_for_failure: float = 0.0) -> str | None:
+        watchdog, self._watchdog = self._watchdog, None
+        return None if watchdog is None else watchdog.stop(clean=clean, wait_for_failure=wait_for_failure)
+
+    def _current_global_step(self) -> int | None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return None if trainer is None else trainer.global_step
+
+    def teardown(self) -> None:
+        self._finish_watchdog()
+        super().teardown()
+
+    def _failure_being_torn_down(self) -> BaseException | None:
+        """The error that ended this run, when teardown follows a failed run (else ``None``).
+
+        Lightning tears down inside its ``except`` block after a failed run, so the error is at hand here even in
+        modes whose ``on_exception`` does not call this class's (ddp, fsdp). After a failure other ranks may never
+        reach a collective, so teardown must not start one.
+        """
+        failure = sys.exc_info()[1]
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+        # (an error the caller was handling around a successful run is not this run's failure)
+        return failure if failure is not None and interrupted else None
+
+    def _finish_watchdog(self) -> None:
+        """Stop the watchdog; after a failed run, first let it name a lost peer in the error (teardown calls this)."""
+        failure = self._failure_being_torn_down()
+        if failure is None:
+            self._stop_watchdog(clean=True)
+        else:
+            self._annotate_failure(failure)
+
+    def _annotate_failure(self, exception: BaseException) -> None:
+        """Say where an error left this rank's run, so a collective timeout or a peer's crash reads with its step.
+
+        When the error looks like a lost peer, the watchdog gets a moment to name the rank that stopped (one heartbeat
+        interval finds a dead process on this host) before the error propagates.
+        """
+        watchdog = self._watchdog
+        wait = 2 * watchdog.interval + 0.5 if watchdog is not None and _looks_like_lost_peer(exception) else 0.0
+        report = self._stop_watchdog(clean=False, wait_for_failure=wait)
+        exception.add_note(
+            f"lightning_colossal: raised on rank {self.global_rank} at global step {self._current_global_step()}."
+        )
+        if report is not None:
+            exception.add_note(f"lightning_colossal watchdog: {report}.")
 
     def _build_parallel_dims(self) -> ParallelDims:
         """The parallel layout of this mode; data parallel over every rank unless a subclass says otherwise."""
@@ -325,6 +418,8 @@ class ColossalStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         plugin.device_type = self.root_device.type
         plugin.process_group = None  # every rank takes part in the overflow vote (see precision.py)
+        if self._on_nonfinite is not None:
+            plugin.on_nonfinite = self._on_nonfinite
 
     # ---------------------------------------------------------------------------------------------- collectives
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
@@ -547,6 +642,16 @@ class ColossalStrategy(ParallelStrategy):
                 names = [group["params"] for group in self.optimizer_names_and_state(optimizer)["param_groups"]]
                 self._load_optimizer_state(optimizer, rekey_by_name(saved, names))
         return checkpoint
+
+
+def _looks_like_lost_peer(exception: BaseException) -> bool:
+    # Gloo: "Connection reset by peer", "Connection closed by peer"; NCCL and c10d: DistError subclasses, timeouts.
+    if isinstance(exception, torch.distributed.DistError):
+        return True
+    text = str(exception)
+    return isinstance(exception, RuntimeError) and any(
+        marker in text for marker in ("by peer", "Connection refused", "Broken pipe", "Timed out", "timed out")
+    )
 
 
 def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

@@ -24,9 +24,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     DDPConfig,
     GradientCompression,
     LossScalerConfig,
+    NonFiniteAction,
     StartMethod,
 )
 from lightning_colossal.distributed.compression import compressed_all_reduce_hook
@@ -45,13 +47,6 @@ class ColossalDDPStrategy(ColossalStrategy):
         broadcast_buffers: deprecated (as in torch's DDP): use ``forward_sync_buffers``. Keep
             ``broadcast_buffers=False`` only for rank-local buffers that must not be synced when the model is wrapped.
         gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
-        timeout: how long a collective may wait before failing instead of hanging.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
-        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
-        accelerator: the accelerator (normally chosen by the ``Trainer``).
-        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
-        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     strategy_name = "colossal_ddp"
@@ -69,6 +64,8 @@ class ColossalDDPStrategy(ColossalStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -81,6 +78,8 @@ class ColossalDDPStrategy(ColossalStrategy):
             timeout=timeout,
             start_method=start_method,
             loss_scaler=loss_scaler,
+            heartbeat_timeout=heartbeat_timeout,
+            on_nonfinite=on_nonfinite,
         )
         self._forward_redirection = _ManualOptimizationAwareRedirection()
         if broadcast_buffers is not None:

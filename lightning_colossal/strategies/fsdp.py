@@ -35,7 +35,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    LossScalerConfig,
+    NonFiniteAction,
+    StartMethod,
+)
 from lightning_colossal.distributed.mesh import apply_timeout
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.fsdp import (
@@ -67,13 +73,6 @@ class ColossalFSDPStrategy(ColossalStrategy):
         keep_weights_sharded: after each run leave the module's parameters as FSDP's DTensor shards instead of
             gathering full plain tensors onto every rank (the default, as Lightning's ``ddp``). For models too large
             for one rank's memory; see [Note: what the module holds after a run].
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
-        timeout: how long a collective may wait before failing instead of hanging.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
-        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
-        accelerator: the accelerator (normally chosen by the ``Trainer``).
-        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
-        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     materialises_meta_models = True  # meta models are materialised per shard after fully_shard
@@ -90,6 +89,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -102,6 +103,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
             timeout=timeout,
             start_method=start_method,
             loss_scaler=loss_scaler,
+            heartbeat_timeout=heartbeat_timeout,
+            on_nonfinite=on_nonfinite,
         )
         if replicate_size < 1:
             raise ValueError(f"replicate_size={replicate_size}: pass 1 (plain FSDP) or the number of replica groups.")
@@ -224,6 +227,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if self.keep_weights_sharded or self._run_failed or not self._roots or self.lightning_module is None:
             # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
             assert self.cluster_environment is not None and self.accelerator is not None
+            self._finish_watchdog()
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()

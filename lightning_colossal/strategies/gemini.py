@@ -20,9 +20,11 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     AutoPlacement,
     GeminiConfig,
     LossScalerConfig,
+    NonFiniteAction,
     StartMethod,
     StaticPlacement,
 )
@@ -48,13 +50,6 @@ class GeminiStrategy(ColossalStrategy):
         communication: ``"auto"``, ``"all_reduce"`` or ``"scatter_gather"`` (identical results).
         init_window_bytes: bytes one initialisation pass materialises when the model is built on the meta device
             (``Trainer.init_module(empty_init=True)`` or ``configure_model``).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
-        timeout: how long a collective may wait before failing instead of hanging.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
-        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
-        accelerator: the accelerator (normally chosen by the ``Trainer``).
-        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
-        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)
@@ -73,6 +68,8 @@ class GeminiStrategy(ColossalStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -85,6 +82,8 @@ class GeminiStrategy(ColossalStrategy):
             timeout=timeout,
             start_method=start_method,
             loss_scaler=loss_scaler,
+            heartbeat_timeout=heartbeat_timeout,
+            on_nonfinite=on_nonfinite,
         )
         self.gemini_config = GeminiConfig(
             placement=placement if placement is not None else StaticPlacement(),
@@ -183,7 +182,8 @@ class GeminiStrategy(ColossalStrategy):
     def teardown(self) -> None:
         # Parameters get their whole values back (as after any Lightning run), then the base moves them to the CPU.
         # The engine stays: `trainer.save_checkpoint` after `fit` still reads its shards and optimizer state.
-        if self.engine is not None:
+        # Not after a failed run: gathering is a collective that other ranks may never reach.
+        if self.engine is not None and self._failure_being_torn_down() is None:
             self.engine.restore_full_parameters()
         super().teardown()
 

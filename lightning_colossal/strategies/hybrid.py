@@ -24,8 +24,10 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
     HybridConfig,
     LossScalerConfig,
+    NonFiniteAction,
     PipelineSchedule,
     SequenceParallelMode,
     StartMethod,
@@ -40,39 +42,14 @@ class HybridParallelStrategy(ColossalStrategy):
     """Hybrid 3D parallelism; registered as ``colossal_hybrid`` (and ``colossal_hybrid_notebook``).
 
     Args:
-        tp_size: tensor-parallel ranks (attention heads, MLP width and vocabulary are split over them).
-        pp_size: pipeline stages the layers are split into.
-        sp_size: Ulysses sequence-parallel ranks (``sequence_parallel="all_to_all"``).
-        zero_stage: 0 all-reduces gradients over the data-parallel axis; 1 shards optimizer state; 2 also shards
-            gradients (not with ``pp_size > 1``).
-        sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the tensor-parallel
-            group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for none, which becomes
-            ``"all_to_all"`` when ``sp_size > 1``.
-        pp_schedule: ``"1f1b"``, ``"interleaved"`` (1F1B over ``num_model_chunks`` chunks per rank) or ``"zbv"``
-            (zero-bubble V schedule, two chunks per rank).
-        num_microbatches: micro-batches per pipeline step; set this or ``microbatch_size`` when ``pp_size > 1``.
-        microbatch_size: samples per micro-batch (the alternative to ``num_microbatches``).
-        num_model_chunks: model chunks per pipeline rank: 1 for 1F1B, at least 2 for interleaved, 2 for ZB-V.
-        layers_per_stage: layers of each pipeline stage (``pp_size * num_model_chunks`` entries), or ``None`` to split
-            as evenly as possible (the remainder going to the middle stages).
-        activation_checkpointing: recompute each transformer layer's activations in backward.
-        bucket_size_mb: gradient all-reduce bucket size (MiB) on the data-parallel axis.
-        init_window_bytes: when the model was built on the meta device, how many bytes of this rank's pieces one
-            initialisation pass may materialise at once (more passes, less memory).
         policy: which parts of the model to split: ``None`` picks a built-in policy (demo GPT, Hugging Face models
             with a ``base_model_tp_plan``, GPT-2, BERT; or keeps DTensor tensor parallelism ``configure_model``
             applied), a ``dict`` is a user plan (module pattern -> ``"colwise"`` or ``"rowwise"``), or a
             ``ModelPolicy`` instance.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
-        timeout: how long a collective may wait before failing instead of hanging.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
-        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
-        accelerator: the accelerator (normally chosen by the ``Trainer``).
-        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
-        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     strategy_name = "colossal_hybrid"
+    argument_doc_sources = (HybridConfig,)
     materialises_meta_models = True  # the engine splits a meta model first (engine.py [Note: meta-device models])
 
     def __init__(
@@ -95,6 +72,8 @@ class HybridParallelStrategy(ColossalStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -107,6 +86,8 @@ class HybridParallelStrategy(ColossalStrategy):
             timeout=timeout,
             start_method=start_method,
             loss_scaler=loss_scaler,
+            heartbeat_timeout=heartbeat_timeout,
+            on_nonfinite=on_nonfinite,
         )
         self.hybrid_config = HybridConfig(
             tp_size=tp_size,

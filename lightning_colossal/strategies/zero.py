@@ -21,7 +21,14 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, LossScalerConfig, StartMethod, ZeroConfig
+from lightning_colossal.config import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    DEFAULT_HEARTBEAT_TIMEOUT,
+    LossScalerConfig,
+    NonFiniteAction,
+    StartMethod,
+    ZeroConfig,
+)
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.zero import ZeroEngine
 
@@ -40,13 +47,6 @@ class ZeroStrategy(ColossalStrategy):
         stage2_accumulation: ``"sharded"`` (reduce every micro-batch, keep stage-2 memory; default) or
             ``"local"`` (accumulate full gradients, reduce once per step).
         communication: ``"auto"`` (per backend), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
-        timeout: how long a collective may wait before failing instead of hanging.
-        start_method: ``"popen"`` (scripts, torchrun, SLURM), ``"spawn"``, or ``"fork"`` (notebooks).
-        loss_scaler: dynamic loss scaling settings used by ``precision="16-mixed"``.
-        accelerator: the accelerator (normally chosen by the ``Trainer``).
-        parallel_devices: devices of this node (normally chosen by the ``Trainer``).
-        cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
     """
 
     def __init__(
@@ -61,6 +61,8 @@ class ZeroStrategy(ColossalStrategy):
         timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         start_method: StartMethod = "popen",
         loss_scaler: LossScalerConfig | None = None,
+        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
+        on_nonfinite: NonFiniteAction | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -73,6 +75,8 @@ class ZeroStrategy(ColossalStrategy):
             timeout=timeout,
             start_method=start_method,
             loss_scaler=loss_scaler,
+            heartbeat_timeout=heartbeat_timeout,
+            on_nonfinite=on_nonfinite,
         )
         self.zero_config = ZeroConfig(
             stage=stage,

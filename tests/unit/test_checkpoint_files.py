@@ -163,3 +163,14 @@ def test_rekey_round_trip_and_mismatch_errors():
         rekey_by_name(position_keyed, [["a", "b", "c"]])
     with pytest.raises(ValueError, match="has 2 parameters"):
         rekey_by_name(position_keyed, [["a"], ["c"]])
+
+
+def test_checkpoint_file_cut_in_half_is_named_when_its_weights_are_read(tmp_path):
+    from lightning_colossal.checkpoint.sharded import load_file_weights
+
+    path = tmp_path / "big.ckpt"
+    save_sharded(path, {"model": {"layer.weight": torch.randn(512, 256)}}, {"epoch": 0})
+    cut = tmp_path / "cut.ckpt"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"cut\.ckpt.*truncated"):
+        load_file_weights(locate_checkpoint(cut))
