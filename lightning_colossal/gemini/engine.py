@@ -604,6 +604,10 @@ class GeminiEngine:
             num_chunks=len(self.manager.chunks),
         )
 
+    def memory_by_chunk(self) -> list[ChunkBytes]:
+        """``memory_report().chunks`` of each chunk on its own, in chunk order (compute device vs offloaded)."""
+        return self.manager.chunk_bytes_by_chunk(self._optimizer_state())
+
     def placement_summary(self) -> dict[str, list[int]]:
         """Chunk indices by where their pieces live (what the placement policy decided)."""
         chunks = self.manager.chunks

@@ -334,34 +334,16 @@ class ChunkManager:
     # ---------------------------------------------------------------------------------------------- accounting
     def chunk_bytes(self, optimizer_state: dict[Any, Any] | None = None) -> ChunkBytes:
         """Bytes held for chunks on this rank, from the tensors themselves (placement decisions use this)."""
-        shard = gathered = master = gradient = state = compute = offload = 0
-        for chunk in self.chunks:
-            shard_bytes = _nbytes(chunk.shard)
-            shard += shard_bytes
-            full_bytes = _nbytes(chunk.full) + _nbytes(chunk.full_gradient)
-            gathered += full_bytes
-            compute += full_bytes
-            own = {
-                "shard": (shard_bytes, chunk.shard_location),
-                "master": (0 if chunk.masters_alias_shard else _nbytes(chunk.master), chunk.master_location),
-                "gradient": (_nbytes(chunk.gradient), chunk.master_location),
-            }
-            states = 0
-            if optimizer_state is not None:
-                for view in chunk.master_views:
-                    states += sum(
-                        _nbytes(value) for value in optimizer_state.get(view, {}).values() if isinstance(value, Tensor)
-                    )
-            own["state"] = (states, chunk.master_location)
-            master += own["master"][0]
-            gradient += own["gradient"][0]
-            state += states
-            for size, location in own.values():
-                if location is Location.COMPUTE:
-                    compute += size
-                else:
-                    offload += size
-        return ChunkBytes(shard, gathered, master, gradient, state, compute, offload)
+        per_chunk = self.chunk_bytes_by_chunk(optimizer_state)
+        return (
+            ChunkBytes(*(sum(values) for values in zip(*per_chunk, strict=True)))
+            if per_chunk
+            else ChunkBytes(0, 0, 0, 0, 0, 0, 0)
+        )
+
+    def chunk_bytes_by_chunk(self, optimizer_state: dict[Any, Any] | None = None) -> list[ChunkBytes]:
+        """``chunk_bytes`` of each chunk on its own, in chunk order (where each chunk's bytes live)."""
+        return [_one_chunk_bytes(chunk, optimizer_state) for chunk in self.chunks]
 
     def gathered_chunks(self) -> Iterable[Chunk]:
         return (chunk for chunk in self.chunks if chunk.state is not ChunkState.SHARDED)
@@ -377,6 +359,31 @@ class _PendingReduction(NamedTuple):
     result: Tensor  # the all-reduced full gradient, or this rank's reduce-scattered slot
     staging: Tensor | None  # kept alive until the collective is done
     rank_major: bool
+
+
+def _one_chunk_bytes(chunk: Chunk, optimizer_state: dict[Any, Any] | None) -> ChunkBytes:
+    shard_bytes = _nbytes(chunk.shard)
+    full_bytes = _nbytes(chunk.full) + _nbytes(chunk.full_gradient)
+    compute = full_bytes
+    offload = 0
+    own = {
+        "shard": (shard_bytes, chunk.shard_location),
+        "master": (0 if chunk.masters_alias_shard else _nbytes(chunk.master), chunk.master_location),
+        "gradient": (_nbytes(chunk.gradient), chunk.master_location),
+    }
+    states = 0
+    if optimizer_state is not None:
+        for view in chunk.master_views:
+            states += sum(
+                _nbytes(value) for value in optimizer_state.get(view, {}).values() if isinstance(value, Tensor)
+            )
+    own["state"] = (states, chunk.master_location)
+    for size, location in own.values():
+        if location is Location.COMPUTE:
+            compute += size
+        else:
+            offload += size
+    return ChunkBytes(shard_bytes, full_bytes, own["master"][0], own["gradient"][0], states, compute, offload)
 
 
 def _nbytes(tensor: Tensor | None) -> int:
