@@ -17,36 +17,19 @@ policy shards transformer blocks, which hold their experts).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.autograd_graph import leaves_reached_from
 
 
 def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> None:
     """Every rank reduce-scatters zeros for parameters it gave no gradient (see the Note)."""
     for root in roots:
         root.set_reduce_scatter_unused_params(True, recurse=True)
-
-
-def leaves_reached_from(loss: Tensor) -> set[int]:
-    """``id``s of the leaf tensors whose gradient ``loss.backward()`` will accumulate."""
-    reached: set[int] = set()
-    seen: set[Any] = set()
-    stack = [loss.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            reached.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return reached
 
 
 class UnusedGradientTracker:

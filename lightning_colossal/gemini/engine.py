@@ -60,6 +60,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
 from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.autograd_graph import leaves_reached_from
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
@@ -406,18 +407,7 @@ class GeminiEngine:
         A chunk is reduced as soon as its reachable gradients are in, so a parameter without a gradient on this rank
         (a branch whose output this rank did not use) delays nothing, like DDP's ``find_unused_parameters``.
         """
-        reached: set[int] = set()
-        seen: set[Any] = set()
-        stack = [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                reached.add(id(variable))
-            stack.extend(next_node for next_node, _ in node.next_functions)
+        reached = leaves_reached_from(loss)
         for chunk in self.manager.chunks:
             chunk.gradients_expected = sum(1 for parameter in chunk.parameters if id(parameter) in reached)
 
