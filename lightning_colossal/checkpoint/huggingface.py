@@ -99,10 +99,9 @@ def export_huggingface(
         raise NotADirectoryError(f"{output} is a file: --format huggingface writes a directory; pass a new path.")
     description = load_metadata(files).get(FORMAT_KEY, {}).get(HUGGINGFACE_KEY)
     config_json = _config_json(checkpoint, description, config_dir)
-    prefix = description["prefix"] if description is not None else _prefix_from_config_dir_only(files.shards)
-
     reader = FileSystemReader(str(files.shards))
     items = reader.read_metadata().state_dict_metadata
+    prefix = description["prefix"] if description is not None else _common_prefix(items)
     names = [
         key[len(MODEL_KEY) + 1 :]
         for key, item in items.items()
@@ -151,9 +150,8 @@ def _config_json(checkpoint: str | Path, description: dict[str, Any] | None, con
     return json.dumps(json.loads(description["config"]), indent=2, sort_keys=True)
 
 
-def _prefix_from_config_dir_only(shards: Path) -> str:
-    """Without a recorded prefix, the longest common ``a.b.`` start of all weight names (often ``model.``)."""
-    items = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+def _common_prefix(items: dict[str, Any]) -> str:
+    """Without a recorded prefix, the common first ``name.`` part of all weight names (often ``model.``)."""
     names = [key[len(MODEL_KEY) + 1 :] for key in items if key.startswith(f"{MODEL_KEY}.")]
     first_parts = {name.split(".", 1)[0] for name in names}
     return f"{first_parts.pop()}." if len(first_parts) == 1 else ""
