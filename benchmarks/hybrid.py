@@ -107,8 +107,9 @@ _COMPUTE_PARTS = ("forward", "backward", "backward_input", "backward_weight", "l
 def _case_summary(case_per_rank: list[dict[str, Any]], latency: dict[str, Any]) -> dict[str, Any]:
     """One launch's figures of one case: per rank the median over measured steps of compute and bubble.
 
-    The ranks leave a barrier together, so a step lasts until its slowest rank returns from ``pipeline_step``; a rank
-    that returns early (the last stage finishes its last backward before the first stage does) idles until then too.
+    The ranks leave a barrier together, so a step lasts until its slowest rank returns from
+    ``PipelineStep.train_step``; a rank that returns early (the last stage finishes its last backward before the first
+    stage does) idles until then too.
     Bubble = 1 − this rank's compute / that step wall, as in the formulas.
     """
     step_walls = [

@@ -2,7 +2,7 @@
 
 Two kinds of work, picked by the spec's ``kind``:
 
-- ``pipeline``: the hybrid engine's pipeline (``HybridEngine.pipeline_step``, what ``colossal_hybrid`` runs in place of
+- ``pipeline``: the hybrid engine's pipeline (``PipelineStep.train_step``, what ``colossal_hybrid`` runs in place of
   ``training_step``) for several (schedule, micro-batch count) cases, timing per rank the whole schedule step and
   the compute inside it. The compute is timed by wrapping torch's own stage methods (``forward_one_chunk``,
   ``backward_one_chunk``, ``backward_weight_one_chunk``) and the schedule's loss call, in this process only.
@@ -382,7 +382,7 @@ def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleT
     timeout = timedelta(seconds=spec["process_group_timeout"])
     device = torch.device("cpu")
     microbatches = case["microbatches"]
-    config = HybridConfig(
+    config = HybridConfig.from_flat_arguments(
         pp_size=spec["world_size"],
         pp_schedule=case["schedule"],
         num_microbatches=microbatches,
@@ -395,6 +395,7 @@ def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleT
         build_device_mesh(ParallelDims(world_size=spec["world_size"], pp=config.pp_size), device), timeout
     )
     engine = HybridEngine(root, model, policy, config, groups, device, timeout)
+    assert engine.pipeline is not None  # pp_size = world_size > 1
     generator = torch.Generator().manual_seed(spec["seed"])
     tokens = torch.randint(
         0,
@@ -419,7 +420,7 @@ def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleT
             }
         timers.reset()
         start = time.perf_counter()
-        engine.pipeline_step(inputs, targets, microbatches, _next_token_loss, 1.0)
+        engine.pipeline.train_step((inputs, targets), _next_token_loss, 1.0)
         wall = time.perf_counter() - start
         if measured:
             steps.append(

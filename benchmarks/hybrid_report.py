@@ -56,7 +56,7 @@ def bubble_markdown(document: dict[str, Any]) -> str:
         f"- Method: 2 pipeline ranks; per case {settings['warmup']} warm-up + {settings['steps']} measured schedule "
         f"steps of {settings['microbatch_size']} sequence(s) x {settings['sequence_length']} tokens per micro-batch; "
         "bubble per rank and step = 1 − (time in forward_one_chunk + backward_one_chunk + backward_weight_one_chunk + "
-        "loss) / (step wall: from a common barrier until the slowest rank returns from HybridEngine.pipeline_step), median "
+        "loss) / (step wall: from a common barrier until the slowest rank returns from PipelineStep.train_step), median "
         "over the steps; then median [min–max] over the "
         f"accepted launches (target {settings['repeats']} per case)",
         f"- Launches: {document['launches']}; cases accepted {accepted}, discarded {len(document['discarded'])} (other "

@@ -311,7 +311,7 @@ def tensor_parallel_parameter_count(trainer: Trainer, module: LightningModule) -
         if engine is None or engine.context.tp_size == 1:
             return 0
         return sum(
-            math.prod(engine.full_shapes[id(parameter)])
+            math.prod(engine.names.full_shapes[id(parameter)])
             for parameter in module.parameters()
             if id(parameter) in engine.plan.placements
         )

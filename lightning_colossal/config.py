@@ -8,9 +8,10 @@ read them) and build these objects; engines only ever see the objects.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 SUPPORTED_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -286,6 +287,40 @@ class GeminiConfig:
             raise ValueError(f"communication={self.communication!r}: pass 'auto', 'all_reduce' or 'scatter_gather'.")
 
 
+@dataclass(frozen=True, kw_only=True)
+class FSDPConfig:
+    """Settings of torch FSDP2 as used by ``ColossalFSDPStrategy`` (``lightning_colossal.fsdp``).
+
+    Args:
+        wrap_policy: which modules to shard one by one (transformer blocks): class names, or a predicate
+            ``module -> bool``. ``None`` detects them: the classes a model names in ``_no_split_modules`` (Hugging
+            Face models; the demo GPT declares its ``Block`` the same way).
+        reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward
+            (ZeRO-2-like: more memory, one all-gather less per step).
+        cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (FSDP2's ``CPUOffloadPolicy``).
+        activation_checkpointing: recompute each sharded block's activations in backward.
+        replicate_size: hybrid sharding (HSDP): parameters are sharded within groups of ``world / replicate_size``
+            ranks and replicated across ``replicate_size`` such groups (e.g. one group per node); 1 is plain FSDP.
+            It must divide the world size, which is checked when the processes are known.
+        keep_weights_sharded: after each run leave the module's parameters as FSDP's DTensor shards instead of
+            gathering full plain tensors onto every rank (the default, as Lightning's ``ddp``). For models too large
+            for one rank's memory; see [Note: what the module holds after a run] in ``strategies/fsdp.py``.
+    """
+
+    wrap_policy: tuple[str, ...] | Callable[[Any], bool] | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    replicate_size: int = 1
+    keep_weights_sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replicate_size < 1:
+            raise ValueError(
+                f"replicate_size={self.replicate_size}: pass 1 (plain FSDP) or the number of replica groups."
+            )
+
+
 def validate_precision(precision: str) -> PrecisionName:
     """Return ``precision`` if lightning_colossal supports it, else raise a ``ValueError`` naming the choices."""
     if precision not in SUPPORTED_PRECISIONS:
@@ -326,6 +361,72 @@ PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zbv")
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline settings of the hybrid engine: ``HybridConfig.pipeline``, present exactly when ``pp_size > 1``.
+
+    How many stages there are depends on ``pp_size`` as well, so ``HybridConfig`` checks ``layers_per_stage``
+    against it.
+
+    Args:
+        pp_schedule: ``"1f1b"``, ``"interleaved"`` (1F1B over ``num_model_chunks`` chunks per rank) or ``"zbv"``
+            (zero-bubble V schedule, two chunks per rank).
+        num_microbatches: micro-batches per pipeline step; set this or ``microbatch_size`` when ``pp_size > 1``.
+        microbatch_size: samples per micro-batch (the alternative to ``num_microbatches``).
+        num_model_chunks: model chunks per pipeline rank: 1 for 1F1B, at least 2 for interleaved, 2 for ZB-V.
+        layers_per_stage: layers of each pipeline stage (``pp_size * num_model_chunks`` entries), or ``None`` to split
+            as evenly as possible (the remainder going to the middle stages).
+    """
+
+    pp_schedule: PipelineSchedule = "1f1b"
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    num_model_chunks: int = 1
+    layers_per_stage: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        value = self.num_model_chunks
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"num_model_chunks={value!r}: pass an integer >= 1.")
+        _check_pipeline_schedule(self.pp_schedule)
+        if (self.num_microbatches is None) == (self.microbatch_size is None):
+            raise ValueError(
+                "pp_size > 1 needs exactly one of num_microbatches or microbatch_size (how each batch is split into"
+                " micro-batches), e.g. num_microbatches=4."
+            )
+        for name in ("num_microbatches", "microbatch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
+        if self.pp_schedule == "1f1b" and self.num_model_chunks != 1:
+            raise ValueError(
+                f"pp_schedule='1f1b' runs one model chunk per rank, but num_model_chunks={self.num_model_chunks}: use"
+                " pp_schedule='interleaved' for several chunks, or num_model_chunks=1."
+            )
+        if self.pp_schedule == "interleaved" and self.num_model_chunks < 2:
+            raise ValueError(
+                "pp_schedule='interleaved' needs num_model_chunks >= 2 (chunks of layers per rank, visited in turn):"
+                " pass e.g. num_model_chunks=2."
+            )
+        if self.pp_schedule == "zbv" and self.num_model_chunks != 2:
+            raise ValueError(
+                f"pp_schedule='zbv' places exactly two chunks per rank in a V, but num_model_chunks="
+                f"{self.num_model_chunks}: pass num_model_chunks=2."
+            )
+        if self.layers_per_stage is not None and any(count < 1 for count in self.layers_per_stage):
+            raise ValueError(
+                f"layers_per_stage={list(self.layers_per_stage)}: every stage needs at least one layer; pass positive"
+                " entries (layers of stage 0, 1, ...), or None for an even split."
+            )
+
+
+def _check_pipeline_schedule(pp_schedule: str) -> None:
+    if pp_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"pp_schedule={pp_schedule!r}: pass '1f1b', 'interleaved' or 'zbv'.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Settings of the hybrid 3D engine (``lightning_colossal.parallel``): tensor, pipeline, sequence, data parallel.
 
@@ -340,13 +441,8 @@ class HybridConfig:
         sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the tensor-parallel
             group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for none, which becomes
             ``"all_to_all"`` when ``sp_size > 1``.
-        pp_schedule: ``"1f1b"``, ``"interleaved"`` (1F1B over ``num_model_chunks`` chunks per rank) or ``"zbv"``
-            (zero-bubble V schedule, two chunks per rank).
-        num_microbatches: micro-batches per pipeline step; set this or ``microbatch_size`` when ``pp_size > 1``.
-        microbatch_size: samples per micro-batch (the alternative to ``num_microbatches``).
-        num_model_chunks: model chunks per pipeline rank: 1 for 1F1B, at least 2 for interleaved, 2 for ZB-V.
-        layers_per_stage: layers of each pipeline stage (``pp_size * num_model_chunks`` entries), or ``None`` to split
-            as evenly as possible (the remainder going to the middle stages).
+        pipeline: the pipeline settings (``PipelineConfig``) when ``pp_size > 1``; ``None`` when ``pp_size = 1``, so
+            the engine has a pipeline part exactly when this is set.
         activation_checkpointing: recompute each transformer layer's activations in backward.
         bucket_size_mb: gradient all-reduce bucket size (MiB) on the data-parallel axis.
         init_window_bytes: when the model was built on the meta device, how many bytes of this rank's pieces one
@@ -358,11 +454,7 @@ class HybridConfig:
     sp_size: int = 1
     zero_stage: int = 0
     sequence_parallel: SequenceParallelMode | None = None
-    pp_schedule: PipelineSchedule = "1f1b"
-    num_microbatches: int | None = None
-    microbatch_size: int | None = None
-    num_model_chunks: int = 1
-    layers_per_stage: tuple[int, ...] | None = None
+    pipeline: PipelineConfig | None = None
     activation_checkpointing: bool = False
     bucket_size_mb: float = 25.0
     init_window_bytes: int = 2**30
@@ -370,7 +462,7 @@ class HybridConfig:
     def __post_init__(self) -> None:
         if self.init_window_bytes < 1:
             raise ValueError(f"init_window_bytes={self.init_window_bytes}: pass a positive integer.")
-        for name in ("tp_size", "pp_size", "sp_size", "num_model_chunks"):
+        for name in ("tp_size", "pp_size", "sp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
@@ -403,53 +495,63 @@ class HybridConfig:
                 )
         if self.sequence_parallel == "all_to_all" and self.sp_size == 1:
             raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
-        if self.pp_schedule not in PIPELINE_SCHEDULES:
-            raise ValueError(f"pp_schedule={self.pp_schedule!r}: pass '1f1b', 'interleaved' or 'zbv'.")
         self._validate_pipeline()
         if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
 
     def _validate_pipeline(self) -> None:
-        if self.layers_per_stage is not None:
-            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        """``pipeline`` against ``pp_size`` (``PipelineConfig`` checked its own settings)."""
         if self.pp_size == 1:
-            if self.num_model_chunks != 1 or self.layers_per_stage is not None:
+            if self.pipeline is not None:
                 raise ValueError(
-                    "num_model_chunks and layers_per_stage split the model over pipeline stages, but pp_size=1: set"
-                    " pp_size > 1 or leave them at their defaults."
+                    "pipeline=PipelineConfig(...) splits the model over pipeline stages, but pp_size=1: set pp_size > 1"
+                    " or pipeline=None."
                 )
             return
-        if (self.num_microbatches is None) == (self.microbatch_size is None):
+        if self.pipeline is None:
             raise ValueError(
-                "pp_size > 1 needs exactly one of num_microbatches or microbatch_size (how each batch is split into"
-                " micro-batches), e.g. num_microbatches=4."
+                f"pp_size={self.pp_size} needs pipeline=PipelineConfig(...) with exactly one of num_microbatches or"
+                " microbatch_size (how each batch is split into micro-batches), e.g. num_microbatches=4."
             )
-        for name in ("num_microbatches", "microbatch_size"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
-        if self.pp_schedule == "1f1b" and self.num_model_chunks != 1:
+        layers_per_stage = self.pipeline.layers_per_stage
+        if layers_per_stage is not None and len(layers_per_stage) != self.num_stages:
             raise ValueError(
-                f"pp_schedule='1f1b' runs one model chunk per rank, but num_model_chunks={self.num_model_chunks}: use"
-                " pp_schedule='interleaved' for several chunks, or num_model_chunks=1."
+                f"layers_per_stage={list(layers_per_stage)} must have pp_size * num_model_chunks = {self.num_stages}"
+                " positive entries (layers of stage 0, 1, ...), or be None for an even split."
             )
-        if self.pp_schedule == "interleaved" and self.num_model_chunks < 2:
+
+    @classmethod
+    def from_flat_arguments(
+        cls,
+        *,
+        pp_schedule: PipelineSchedule = "1f1b",
+        num_microbatches: int | None = None,
+        microbatch_size: int | None = None,
+        num_model_chunks: int = 1,
+        layers_per_stage: tuple[int, ...] | list[int] | None = None,
+        **settings: Any,
+    ) -> HybridConfig:
+        """The config that one flat list of keyword arguments describes, the pipeline's among the others (how the
+        strategy's constructor, and so LightningCLI, takes them): ``pipeline`` is built when ``pp_size > 1``; with
+        ``pp_size=1`` the settings only a pipeline uses must keep their defaults, and the micro-batch settings are
+        ignored."""
+        pp_size = settings.get("pp_size", 1)
+        if isinstance(pp_size, int) and not isinstance(pp_size, bool) and pp_size > 1:
+            pipeline = PipelineConfig(
+                pp_schedule=pp_schedule,
+                num_microbatches=num_microbatches,
+                microbatch_size=microbatch_size,
+                num_model_chunks=num_model_chunks,
+                layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
+            )
+            return cls(pipeline=pipeline, **settings)
+        _check_pipeline_schedule(pp_schedule)
+        if num_model_chunks != 1 or layers_per_stage is not None:
             raise ValueError(
-                "pp_schedule='interleaved' needs num_model_chunks >= 2 (chunks of layers per rank, visited in turn):"
-                " pass e.g. num_model_chunks=2."
+                "num_model_chunks and layers_per_stage split the model over pipeline stages, but pp_size=1: set"
+                " pp_size > 1 or leave them at their defaults."
             )
-        if self.pp_schedule == "zbv" and self.num_model_chunks != 2:
-            raise ValueError(
-                f"pp_schedule='zbv' places exactly two chunks per rank in a V, but num_model_chunks="
-                f"{self.num_model_chunks}: pass num_model_chunks=2."
-            )
-        if self.layers_per_stage is not None:
-            expected = self.pp_size * self.num_model_chunks
-            if len(self.layers_per_stage) != expected or any(count < 1 for count in self.layers_per_stage):
-                raise ValueError(
-                    f"layers_per_stage={list(self.layers_per_stage)} must have pp_size * num_model_chunks = {expected}"
-                    " positive entries (layers of stage 0, 1, ...), or be None for an even split."
-                )
+        return cls(**settings)
 
     @property
     def model_parallel_size(self) -> int:
@@ -458,5 +560,5 @@ class HybridConfig:
 
     @property
     def num_stages(self) -> int:
-        """Pipeline stages in total (``pp_size * num_model_chunks``)."""
-        return self.pp_size * self.num_model_chunks
+        """Pipeline stages in total (``pp_size * num_model_chunks``; 1 without a pipeline)."""
+        return self.pp_size * (self.pipeline.num_model_chunks if self.pipeline is not None else 1)

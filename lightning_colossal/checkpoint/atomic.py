@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from lightning_colossal.checkpoint.layout import REPLACED_MARKER, STAGING_MARKER, leftovers_of_interrupted_save
@@ -74,14 +76,31 @@ def fsync_directory(directory: Path) -> None:
         os.close(descriptor)
 
 
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary sibling of ``path`` for the block to write; when the block ends normally the file is synced to disk
+    and renamed onto ``path`` (readers never see half a file), and when it raises the file is removed.
+
+    Writers stream into the temporary file, so no second copy of what they write is held in memory.
+    """
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        yield temporary
+        descriptor = os.open(temporary, os.O_RDWR)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
 def write_file_atomically(path: Path, payload: bytes) -> None:
     """Write ``payload`` to ``path`` through a temporary file and a rename, so readers never see half a file."""
-    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(temporary, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    with replacing(path) as temporary:
+        temporary.write_bytes(payload)
 
 
 def _remove_path(path: Path) -> None:

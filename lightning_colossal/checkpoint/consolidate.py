@@ -12,7 +12,6 @@ a machine with enough host memory. Outputs:
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from lightning_colossal.checkpoint import atomic
 from lightning_colossal.checkpoint.layout import (
     FORMAT_KEY,
     MODEL_KEY,
+    CheckpointFiles,
     CheckpointKind,
     locate_checkpoint,
     optimizer_key,
@@ -65,10 +65,30 @@ def consolidate(
     checkpoint = Path(checkpoint)
     output = Path(output)
     files = locate_checkpoint(checkpoint)
-    if files.kind is CheckpointKind.FULL:
-        raise ValueError(f"{checkpoint} is already a single-file checkpoint; there is nothing to consolidate.")
     as_safetensors = output.suffix == ".safetensors"
     weights_only = weights_only or as_safetensors
+    _check_request(checkpoint, output, files, weights_only, strip_prefix)
+    state = _read_state(checkpoint, files, weights_only)
+    weights: dict[str, torch.Tensor] = state.get(MODEL_KEY, {})
+    if strip_prefix:
+        weights = strip_name_prefix(weights, strip_prefix)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # Written straight into a temporary file that replaces ``output`` at the end: one copy of the weights in memory,
+    # and never a half-written ``output``.
+    with atomic.replacing(output) as temporary:
+        if as_safetensors:
+            _save_safetensors(weights, temporary)
+        else:
+            torch.save(weights if weights_only else _lightning_checkpoint(files, state, weights), temporary)
+    return output
+
+
+def _check_request(
+    checkpoint: Path, output: Path, files: CheckpointFiles, weights_only: bool, strip_prefix: str | None
+) -> None:
+    """Refuse what cannot be written before reading anything."""
+    if files.kind is CheckpointKind.FULL:
+        raise ValueError(f"{checkpoint} is already a single-file checkpoint; there is nothing to consolidate.")
     if strip_prefix and not weights_only:
         raise ValueError(
             "--strip-prefix renames parameters, which a Lightning checkpoint cannot load back: add --weights-only"
@@ -78,42 +98,39 @@ def consolidate(
         raise IsADirectoryError(f"{output} is a directory: pass a file name such as model.safetensors or full.ckpt.")
     if output.exists() and output.resolve() == checkpoint.resolve():
         raise ValueError(f"{output} is the checkpoint itself: write the consolidated file under another name.")
-
-    if not files.has_shards:
-        if not weights_only:
-            raise FileNotFoundError(
-                f"The sharded training state of {checkpoint} is missing (expected at {files.shards}): copy that"
-                " directory next to the file to write a full checkpoint with optimizer state, or add --weights-only."
-            )
-        state: dict[str, Any] = {MODEL_KEY: dict(load_file_weights(files))}
-    else:
-        state = read_sharded(files.shards, keys={MODEL_KEY} if weights_only else None)
-    weights: dict[str, torch.Tensor] = state.get(MODEL_KEY, {})
-    if strip_prefix:
-        weights = strip_name_prefix(weights, strip_prefix)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    if as_safetensors:
-        from safetensors.torch import save as safetensors_save
-
-        # safetensors refuses views and shared storage; the copies read from disk are neither, contiguous() is cheap
-        payload = safetensors_save(
-            {name: tensor.contiguous() for name, tensor in weights.items()}, metadata={"format": "pt"}
+    if not files.has_shards and not weights_only:
+        raise FileNotFoundError(
+            f"The sharded training state of {checkpoint} is missing (expected at {files.shards}): copy that"
+            " directory next to the file to write a full checkpoint with optimizer state, or add --weights-only."
         )
-        atomic.write_file_atomically(output, payload)
-        return output
-    if weights_only:
-        contents: dict[str, Any] = weights
-    else:
-        contents = load_metadata(files)
-        contents.pop(FORMAT_KEY, None)
-        contents["state_dict"] = weights
-        optimizers = []
-        index = 0
-        while optimizer_key(index) in state:
-            optimizers.append(rekey_by_position(state[optimizer_key(index)]))
-            index += 1
-        contents["optimizer_states"] = optimizers
-    buffer = io.BytesIO()
-    torch.save(contents, buffer)
-    atomic.write_file_atomically(output, buffer.getvalue())
-    return output
+
+
+def _read_state(checkpoint: Path, files: CheckpointFiles, weights_only: bool) -> dict[str, Any]:
+    """The checkpoint's tensors: the weights alone, or everything the shards hold."""
+    if not files.has_shards:
+        # A checkpoint file copied without its shards still carries the weights (weights-only outputs).
+        return {MODEL_KEY: dict(load_file_weights(files))}
+    return read_sharded(files.shards, keys={MODEL_KEY} if weights_only else None)
+
+
+def _lightning_checkpoint(
+    files: CheckpointFiles, state: dict[str, Any], weights: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """A full Lightning checkpoint: the file's metadata, the weights, and the optimizer states keyed by position."""
+    contents = load_metadata(files)
+    contents.pop(FORMAT_KEY, None)
+    contents["state_dict"] = weights
+    optimizers = []
+    index = 0
+    while optimizer_key(index) in state:
+        optimizers.append(rekey_by_position(state[optimizer_key(index)]))
+        index += 1
+    contents["optimizer_states"] = optimizers
+    return contents
+
+
+def _save_safetensors(weights: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    # safetensors refuses views and shared storage; the copies read from disk are neither, contiguous() is cheap
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(path), metadata={"format": "pt"})

@@ -85,8 +85,6 @@ def export_huggingface(
     Returns:
         ``output_dir``.
     """
-    from safetensors.torch import save_file
-
     files = locate_checkpoint(checkpoint)
     if files.kind is CheckpointKind.FULL or not files.has_shards:
         raise ValueError(
@@ -102,6 +100,17 @@ def export_huggingface(
     reader = FileSystemReader(str(files.shards))
     items = reader.read_metadata().state_dict_metadata
     prefix = description["prefix"] if description is not None else _common_prefix(items)
+    names = _weight_names(checkpoint, items, prefix)
+    output.mkdir(parents=True, exist_ok=True)
+    atomic.write_file_atomically(output / "config.json", config_json.encode())
+    if description is not None and "generation_config" in description:
+        atomic.write_file_atomically(output / "generation_config.json", description["generation_config"].encode())
+    _write_weight_files(reader, items, _group_by_size(names, items, max_shard_bytes), prefix, output)
+    return output
+
+
+def _weight_names(checkpoint: str | Path, items: dict[str, Any], prefix: str) -> list[str]:
+    """The names (under ``MODEL_KEY``) of the tensors below ``prefix``: the Hugging Face model's weights."""
     names = [
         key[len(MODEL_KEY) + 1 :]
         for key, item in items.items()
@@ -109,12 +118,16 @@ def export_huggingface(
     ]
     if not names:
         raise ValueError(f"{checkpoint} holds no weights under {prefix!r}: it is not a checkpoint of this model.")
-    groups = _group_by_size(names, items, max_shard_bytes)
+    return names
 
-    output.mkdir(parents=True, exist_ok=True)
-    atomic.write_file_atomically(output / "config.json", config_json.encode())
-    if description is not None and "generation_config" in description:
-        atomic.write_file_atomically(output / "generation_config.json", description["generation_config"].encode())
+
+def _write_weight_files(
+    reader: FileSystemReader, items: dict[str, Any], groups: list[list[str]], prefix: str, output: Path
+) -> None:
+    """One safetensors file per group of names, under the model's own names (``prefix`` dropped), reading one
+    group's tensors at a time; with several files, the index that maps each name to its file."""
+    from safetensors.torch import save_file
+
     weight_map: dict[str, str] = {}
     total_bytes = 0
     for index, group in enumerate(groups):
@@ -123,9 +136,8 @@ def export_huggingface(
         )
         tensors = _read_items(reader, items, group)
         renamed = {name[len(prefix) :]: tensor for name, tensor in tensors.items()}
-        temporary = output / f".{filename}.partial"
-        save_file(renamed, str(temporary), metadata={"format": "pt"})
-        temporary.replace(output / filename)
+        with atomic.replacing(output / filename) as temporary:
+            save_file(renamed, str(temporary), metadata={"format": "pt"})
         for name, tensor in renamed.items():
             weight_map[name] = filename
             total_bytes += tensor.numel() * tensor.element_size()
@@ -133,7 +145,6 @@ def export_huggingface(
     if len(groups) > 1:
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         atomic.write_file_atomically(output / "model.safetensors.index.json", json.dumps(index_json, indent=2).encode())
-    return output
 
 
 def _config_json(checkpoint: str | Path, description: dict[str, Any] | None, config_dir: str | Path | None) -> str:

@@ -138,7 +138,7 @@ class GPTStage(nn.Module):
             self.lm_head = model.lm_head
             if isinstance(self.lm_head, VocabParallelHead):
                 self.lm_head.local_output = True
-        #: The last stage returns this rank's vocabulary slice of the logits (see ``HybridEngine._stage_loss``).
+        #: The last stage returns this rank's vocabulary slice of the logits (see ``PipelineStep._stage_loss``).
         self.vocab_parallel_output = last and isinstance(model.lm_head, VocabParallelHead) and context.tp_size > 1
 
     def forward(self, hidden: Tensor) -> Tensor:

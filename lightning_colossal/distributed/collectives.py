@@ -6,6 +6,17 @@ collectives directly (see ``tests/unit/test_layering.py``).
 
 Every function is a no-op (or the identity) when no process group is initialised, so single-process code paths
 (unit tests, the consolidate command, ``devices=1`` runs) need no special cases.
+
+[Note: all-reduce on gloo]
+Sharded engines need two exchanges: "each rank ends with the sum of its own rows" (a reduce-scatter) and "each rank
+ends with every rank's rows" (an all-gather). On gloo, reduce-scatter and all-gather cost ~3x an all-reduce of the
+same bytes on CPU (measured in benchmarks/RESULTS.md, ZeRO section), so there both are done with an all-reduce: of
+the rank-major buffer, keeping this rank's slot (a reduce-scatter), or of a zeroed full buffer into which each rank
+wrote only its own rows (an all-gather: the rows partition the tensor, so the sum is the gathered tensor). NCCL's
+reduce-scatter and all-gather move half the bytes of an all-reduce and are used there. ``all_reduce_is_cheaper`` is
+that choice; ``use_scatter_gather`` applies it to the engines' ``communication`` setting, where tests force the
+NCCL path on gloo. Both paths give the same values; which buffer layout an engine all-reduces is its own
+(``zero/stages.py``, ``gemini/manager.py``).
 """
 
 from __future__ import annotations
@@ -143,6 +154,41 @@ def backend(group: ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
 
 
+def all_reduce_is_cheaper(group: ProcessGroup | None = None) -> bool:
+    """Whether ``group``'s backend all-reduces faster than it reduce-scatters or all-gathers ([Note: all-reduce on
+    gloo]); also true without a process group, where nothing is sent."""
+    return backend(group) in ("gloo", "none")
+
+
+def use_scatter_gather(communication: str, group: ProcessGroup | None = None) -> bool:
+    """The engines' ``communication`` setting (``"auto"``, ``"all_reduce"`` or ``"scatter_gather"``) as a decision:
+    whether to reduce-scatter and all-gather on ``group`` instead of all-reducing ([Note: all-reduce on gloo])."""
+    if communication == "auto":
+        return not all_reduce_is_cheaper(group)
+    return communication == "scatter_gather"
+
+
+def reduce_own_slot_async(
+    slots: torch.Tensor,
+    group: ProcessGroup | None,
+    scatter: bool,
+    output: torch.Tensor | None = None,
+) -> tuple[dist.Work | None, torch.Tensor]:
+    """Start summing the rank-major flat ``slots`` (one equal slot per rank of ``group``) over the ranks; returns the
+    handle to ``wait()`` on (``None`` when nothing was sent) and the tensor that then holds this rank's slot of the sum.
+
+    With ``scatter`` a reduce-scatter writes the slot into ``output`` (a fresh tensor when ``None``); otherwise
+    ``slots`` is all-reduced in place and the result is a view of this rank's slot in it ([Note: all-reduce on gloo]).
+    """
+    slot_numel = slots.numel() // world_size(group)
+    if scatter:
+        if output is None:
+            output = torch.empty(slot_numel, dtype=slots.dtype, device=slots.device)
+        return reduce_scatter_async(output, slots, group), output
+    own = slots.view(world_size(group), slot_numel)[rank(group)]
+    return all_reduce_async(slots, group), own
+
+
 def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) -> dist.Work | None:
     """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone)."""
     if not is_initialized() or world_size(group) == 1:
@@ -216,14 +262,14 @@ def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | N
     if tensor.shape[dim] % size != 0:
         raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {size} equal slices.")
     moved = tensor.movedim(dim, 0).contiguous()
-    if backend(group) == "gloo":
-        # gloo's reduce-scatter costs ~3x an all-reduce of the same bytes on CPU: all-reduce, keep this rank's slice.
-        dist.all_reduce(moved, op=ReduceOp.SUM, group=group)
-        output = moved.chunk(size)[rank(group)].clone()
-    else:
-        output = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        dist.reduce_scatter_tensor(output, moved, op=ReduceOp.SUM, group=group)
-    return output.movedim(0, dim)
+    # Slicing dim 0 of a contiguous tensor into equal pieces makes rank-major slots of the flat buffer.
+    via_all_reduce = all_reduce_is_cheaper(group)
+    work, own = reduce_own_slot_async(moved.view(-1), group, scatter=not via_all_reduce)
+    if work is not None:
+        work.wait()
+    # The all-reduced buffer is a temporary of this call: the slot is copied out so it does not keep the buffer alive.
+    output = own.clone() if via_all_reduce else own
+    return output.view(moved.shape[0] // size, *moved.shape[1:]).movedim(0, dim)
 
 
 def all_to_all_along(

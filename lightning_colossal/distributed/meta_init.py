@@ -16,10 +16,13 @@ parameter a custom initialiser skips) is caught and named instead of training on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from lightning_colossal.distributed import collectives
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -69,6 +72,81 @@ def _placeholder_in_place(tensor: Tensor) -> None:
     torch.utils.swap_tensors(tensor, placeholder)
 
 
+def start_from_rank_zero_random_state(device: torch.device) -> None:
+    """Give every rank rank 0's random state (CPU, and ``device``'s when it is a GPU): ranks that each draw a whole
+    model to keep their own pieces of it must draw the same values (a collective over the world)."""
+    state = torch.get_rng_state()
+    collectives.broadcast_tensor(state, source_rank=0)
+    torch.set_rng_state(state)
+    if device.type == "cuda":
+        cuda_state = torch.cuda.get_rng_state(device).to(device)
+        collectives.broadcast_tensor(cuda_state, source_rank=0)
+        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+
+
+def plan_windows(sizes: Sequence[int], window_bytes: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (bytes) grouped into windows of at most ``window_bytes`` (a larger item gets a
+    window of its own); no items, no windows."""
+    windows: list[list[int]] = []
+    filled = 0
+    for index, size in enumerate(sizes):
+        if not windows or (windows[-1] and filled + size > window_bytes):
+            windows.append([])
+            filled = 0
+        windows[-1].append(index)
+        filled += size
+    return windows
+
+
+class InitialiserReplay:
+    """Runs a model's initialisers again and again from the random state they had when this was made.
+
+    Every pass then draws the same values in the same order, which is what makes one pass per window add up to one
+    initialisation of the whole model.
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.module = module
+        self.initialisers = required_initialisers(module)
+        self.device = device
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def run(self) -> None:
+        torch.set_rng_state(self.cpu_state)
+        if self.cuda_state is not None:
+            torch.cuda.set_rng_state(self.cuda_state, self.device)
+        for submodule in self.module.modules():
+            if getattr(submodule, "_is_hf_initialized", False):
+                submodule.__dict__["_is_hf_initialized"] = False  # HF skips modules it believes initialised
+        for initialiser in self.initialisers:
+            initialiser()
+
+    def describe(self) -> str:
+        """The initialisers' owners, for messages."""
+        return ", ".join(
+            type(getattr(initialiser, "__self__", initialiser)).__name__ for initialiser in self.initialisers
+        )
+
+
+class Scratch:
+    """One buffer per dtype, as large as the largest tensor, that soaks up the writes to tensors outside a window."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.numel = numel
+        self.device = device
+        self._buffers: dict[torch.dtype, Tensor] = {}
+
+    def view(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None:
+            buffer = self._buffers[dtype] = torch.empty(self.numel, dtype=dtype, device=self.device)
+        return buffer[: math.prod(shape)].view(shape)
+
+
+NamedTensor = tuple[list[str], Tensor]
+
+
 def initialise_in_windows(
     template: nn.Module,
     wanted: Callable[[list[str]], bool],
@@ -89,60 +167,55 @@ def initialise_in_windows(
     Raises:
         ValueError: no initialiser, or a wanted floating-point tensor the initialiser did not write.
     """
-    initialisers = required_initialisers(template)
-    named: dict[int, tuple[list[str], Tensor]] = {}
+    replay = InitialiserReplay(template, device)
+    tensors = _named_tensors(template)
+    for _, tensor in tensors:
+        if tensor.is_meta:
+            _placeholder_in_place(tensor)
+    candidates = [(names, tensor) for names, tensor in tensors if wanted(names)]
+    sizes = [tensor.numel() * tensor.element_size() for _, tensor in candidates]
+    # Even with nothing wanted, one pass runs: the random stream must advance as on the ranks that want something.
+    windows = [[candidates[index] for index in window] for window in plan_windows(sizes, window_bytes)] or [[]]
+    scratch = Scratch(max((tensor.numel() for _, tensor in tensors), default=0), device)
+    with torch.no_grad():
+        for window in windows:
+            _point_at_window(tensors, window, scratch, device)
+            replay.run()
+            for names, tensor in window:
+                _check_written(names, tensor, replay)
+                keep(names, tensor)
+            for _, tensor in window:
+                tensor.data = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+
+
+def _named_tensors(template: nn.Module) -> list[NamedTensor]:
+    """Every parameter and buffer once, with all its names (tied tensors have several)."""
+    named: dict[int, NamedTensor] = {}
     for name, tensor in [
         *template.named_parameters(remove_duplicate=False),
         *template.named_buffers(remove_duplicate=False),
     ]:
         named.setdefault(id(tensor), ([], tensor))[0].append(name)
-    tensors = list(named.values())
+    return list(named.values())
+
+
+def _point_at_window(
+    tensors: list[NamedTensor], window: list[NamedTensor], scratch: Scratch, device: torch.device
+) -> None:
+    """Window tensors get fresh buffers (NaN, so an unwritten one shows); every other tensor writes into scratch."""
+    in_window = {id(tensor) for _, tensor in window}
     for _, tensor in tensors:
-        if tensor.is_meta:
-            _placeholder_in_place(tensor)
-    largest = max((tensor.numel() for _, tensor in tensors), default=0)
-    windows: list[list[tuple[list[str], Tensor]]] = [[]]
-    filled = 0
-    for names, tensor in tensors:
-        if not wanted(names):
-            continue
-        size = tensor.numel() * tensor.element_size()
-        if windows[-1] and filled + size > window_bytes:
-            windows.append([])
-            filled = 0
-        windows[-1].append((names, tensor))
-        filled += size
-    scratch: dict[torch.dtype, Tensor] = {}
-    start_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    with torch.no_grad():
-        for window in windows:
-            torch.set_rng_state(start_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, device)
-            in_window = {id(tensor) for _, tensor in window}
-            for _, tensor in tensors:
-                if id(tensor) in in_window:
-                    fill = float("nan") if tensor.is_floating_point() else 0
-                    tensor.data = torch.full(tensor.shape, fill, dtype=tensor.dtype, device=device)
-                else:
-                    pool = scratch.get(tensor.dtype)
-                    if pool is None:
-                        pool = scratch[tensor.dtype] = torch.empty(largest, dtype=tensor.dtype, device=device)
-                    tensor.data = pool[: tensor.numel()].view(tensor.shape)
-            for submodule in template.modules():
-                if getattr(submodule, "_is_hf_initialized", False):
-                    submodule.__dict__["_is_hf_initialized"] = False  # HF skips modules it believes initialised
-            for initialiser in initialisers:
-                initialiser()
-            for names, tensor in window:
-                if tensor.is_floating_point() and bool(tensor.isnan().any()):
-                    raise ValueError(
-                        f"{names[0]!r} was built on the meta device and the model's initialiser "
-                        f"({', '.join(type(getattr(i, '__self__', i)).__name__ for i in initialisers)}) does not set it"
-                        " (a buffer computed in __init__, or a parameter the initialiser skips), so it has no value:"
-                        " make `reset_parameters()`/`init_weights()` set it, or build the model on a real device."
-                    )
-                keep(names, tensor)
-            for _, tensor in window:
-                tensor.data = torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+        if id(tensor) in in_window:
+            fill = float("nan") if tensor.is_floating_point() else 0
+            tensor.data = torch.full(tensor.shape, fill, dtype=tensor.dtype, device=device)
+        else:
+            tensor.data = scratch.view(tensor.shape, tensor.dtype)
+
+
+def _check_written(names: list[str], tensor: Tensor, replay: InitialiserReplay) -> None:
+    if tensor.is_floating_point() and bool(tensor.isnan().any()):
+        raise ValueError(
+            f"{names[0]!r} was built on the meta device and the model's initialiser ({replay.describe()}) does not set"
+            " it (a buffer computed in __init__, or a parameter the initialiser skips), so it has no value: make"
+            " `reset_parameters()`/`init_weights()` set it, or build the model on a real device."
+        )

@@ -3,6 +3,14 @@
 Both engines give the user's optimizer one *master* per parameter: this rank's rows of it ([Note: sharding along
 dim 0] in ``rows``). Everything here works on that picture only, so a checkpoint written by one engine is read by the
 other, by ``colossal_ddp`` and by ``torch.distributed.checkpoint`` at any world size.
+
+[Note: gradients nobody produced]
+A rank that did not use a parameter (an unused branch, an expert without tokens) contributes zeros to the average:
+the right contribution. But a parameter *no* rank used has no gradient at all in single-process torch (``grad is
+None``), and optimizers skip it: no weight decay, no momentum, no Adam step count. So each engine records which
+parameters received a gradient on this rank since the last optimizer step (also inside ``no_sync``), combines the
+records of all ranks after each reduction (``received_on_any_rank``, one small all-reduce) and gives the masters of
+parameters nobody gave a gradient none.
 """
 
 from __future__ import annotations
@@ -30,6 +38,14 @@ class ShardedMaster:
     name: str
     spec: ShardSpec
     master: Tensor
+
+
+def received_on_any_rank(received: Tensor, group: ProcessGroup | None) -> list[bool]:
+    """Per flag of ``received`` (1.0 where this rank's parameter got a gradient), whether any rank of ``group`` set
+    it ([Note: gradients nobody produced]); ``received`` itself is left as it is."""
+    anywhere = received.clone()
+    collectives.all_reduce(anywhere, op="max", group=group)
+    return anywhere.bool().tolist()
 
 
 def owned_rows_of(tensor: Tensor, spec: ShardSpec) -> Tensor:

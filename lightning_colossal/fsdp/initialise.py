@@ -19,8 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_colossal.distributed import collectives
-from lightning_colossal.distributed.meta_init import initialise_in_windows
+from lightning_colossal.distributed.meta_init import initialise_in_windows, start_from_rank_zero_random_state
 
 DEFAULT_INIT_WINDOW_BYTES = 1 << 30
 
@@ -57,13 +56,7 @@ def initialise_shards(module: nn.Module, template: nn.Module, device: torch.devi
             else:
                 target.copy_(whole)
 
-    state = torch.get_rng_state()
-    collectives.broadcast_tensor(state, source_rank=0)
-    torch.set_rng_state(state)
-    if device.type == "cuda":
-        cuda_state = torch.cuda.get_rng_state(device).to(device)
-        collectives.broadcast_tensor(cuda_state, source_rank=0)
-        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+    start_from_rank_zero_random_state(device)
     initialise_in_windows(template, lambda names: any(name in live for name in names), keep, device, window_bytes)
     left = [
         name for name, tensor in live.items() if (tensor.to_local() if isinstance(tensor, DTensor) else tensor).is_meta

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.meta_init import materialise_in_place, required_initialisers
+from lightning_colossal.distributed.meta_init import InitialiserReplay, Scratch, materialise_in_place, plan_windows
+from lightning_colossal.gemini.chunk import Chunk
 from lightning_colossal.gemini.manager import ChunkManager
 
 
@@ -29,49 +30,39 @@ def materialise_chunks(module: nn.Module, manager: ChunkManager, device: torch.d
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_meta:
             materialise_in_place(tensor, device)
-    initialisers = required_initialisers(module)
+    replay = InitialiserReplay(module, device)
     chunks = manager.chunks
-    largest = max((member.numel for chunk in chunks for member in chunk.spec.members), default=0)
-    scratch: dict[torch.dtype, torch.Tensor] = {}
-    windows: list[list[int]] = []
-    filled = window_bytes + 1
-    for chunk in chunks:
-        size = chunk.spec.numel * chunk.shard.element_size()
-        if filled + size > window_bytes and (not windows or windows[-1]):
-            windows.append([])
-            filled = 0
-        windows[-1].append(chunk.index)
-        filled += size
-    start_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    scratch = Scratch(max((member.numel for chunk in chunks for member in chunk.spec.members), default=0), device)
+    sizes = [chunk.spec.numel * chunk.shard.element_size() for chunk in chunks]
     with torch.no_grad():
-        for window in windows:
-            torch.set_rng_state(start_state)
-            if cuda_state is not None:
-                torch.cuda.set_rng_state(cuda_state, device)
-            in_window = set(window)
-            buffers = {}
-            for chunk in chunks:
-                if chunk.index in in_window:
-                    buffers[chunk.index] = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=device)
-                    for member, parameter in zip(chunk.spec.members, chunk.parameters, strict=True):
-                        parameter.data = chunk.member_full(buffers[chunk.index], member)
-                else:
-                    pool = scratch.get(chunk.shard.dtype)
-                    if pool is None:
-                        pool = scratch[chunk.shard.dtype] = torch.empty(largest, dtype=chunk.shard.dtype, device=device)
-                    for parameter in chunk.parameters:
-                        parameter.data = pool[: parameter.numel()].view(parameter.shape)
-            for submodule in module.modules():
-                if getattr(submodule, "_is_hf_initialized", False):
-                    submodule.__dict__["_is_hf_initialized"] = False  # HF skips modules it believes initialised
-            for initialiser in initialisers:
-                initialiser()
+        for window in plan_windows(sizes, window_bytes):
+            buffers = _point_at_window(chunks, set(window), scratch, device)
+            replay.run()
             for index in window:
-                chunk = chunks[index]
-                for member in chunk.spec.members:
-                    rows = chunk.member_owned_in_full(buffers[index], member)
-                    chunk.member_shard(chunk.shard, member).view(-1).copy_(rows.to(chunk.shard.device))
+                _keep_own_rows(chunks[index], buffers[index])
     manager.shards_to_masters()
     for chunk in chunks:
         manager.detach_parameters(chunk)
+
+
+def _point_at_window(
+    chunks: list[Chunk], window: set[int], scratch: Scratch, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """The window's chunks get whole (gathered-shaped) buffers their parameters point into; the parameters of every
+    other chunk write into scratch. Returns the buffers by chunk index."""
+    buffers = {}
+    for chunk in chunks:
+        if chunk.index in window:
+            buffers[chunk.index] = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=device)
+            for member, parameter in zip(chunk.spec.members, chunk.parameters, strict=True):
+                parameter.data = chunk.member_full(buffers[chunk.index], member)
+        else:
+            for parameter in chunk.parameters:
+                parameter.data = scratch.view(parameter.shape, chunk.shard.dtype)
+    return buffers
+
+
+def _keep_own_rows(chunk: Chunk, whole: torch.Tensor) -> None:
+    for member in chunk.spec.members:
+        rows = chunk.member_owned_in_full(whole, member)
+        chunk.member_shard(chunk.shard, member).view(-1).copy_(rows.to(chunk.shard.device))

@@ -2,18 +2,20 @@
 
 [Note: chunks]
 Gemini groups the trainable parameters, in registration order, into *chunks* of a fixed capacity (in elements).
-A chunk is gathered and released as a whole: one collective moves many parameters, and the gathered buffers of all
-chunks have the same size, so they are reused from a pool instead of fragmenting the allocator. Inside a chunk each
-parameter is sharded along dim 0 like ZeRO does ([Note: sharding along dim 0] in ``distributed/rows``): rank r keeps
-its rows of every member, back to back, as its *shard* of the chunk. That is what makes Gemini's optimizer state
-and checkpoints rectangular per parameter and interchangeable with ZeRO's and DDP's.
+A chunk is gathered and released as a whole: one collective moves many parameters. Each gather allocates a fresh
+buffer holding exactly the chunk's members (``ChunkSpec.numel``, at most the capacity) and the release drops it;
+there is no buffer pool (``manager.py``). Inside a chunk each parameter is sharded along dim 0 like ZeRO does
+([Note: sharding along dim 0] in ``distributed/rows``): rank r keeps its rows of every member, back to back, as its
+*shard* of the chunk. That is what makes Gemini's optimizer state and checkpoints rectangular per parameter and
+interchangeable with ZeRO's and DDP's.
 
 The gathered buffer is parameter-major (each member's full tensor is contiguous, so parameters are plain views of
 it); rank-major "slot" buffers (every member's rows of rank 0, then rank 1, ...) are only used as staging for the
 all-gather and reduce-scatter collectives.
 
-A parameter larger than the capacity gets a chunk of its own, exactly its size. The capacity is searched to waste
-the least space: the unused tail of every chunk is memory the gathered buffers carry for nothing.
+A parameter larger than the capacity gets a chunk of its own, exactly its size. The capacity is searched to leave
+the least unused space at the chunk ends (``wasted_numel``), so that chunks come out close to one size. Since a
+gathered buffer holds only its chunk's members, that unused space is not allocated.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def pack(numels: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def wasted_numel(numels: Sequence[int], capacity: int) -> int:
-    """Elements the gathered buffers carry unused when ``numels`` are packed into chunks of ``capacity``."""
+    """Elements left unused at the chunk ends when ``numels`` are packed into chunks of ``capacity``."""
     waste = 0
     for chunk in pack(numels, capacity):
         filled = sum(numels[index] for index in chunk)

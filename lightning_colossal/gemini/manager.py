@@ -1,13 +1,16 @@
 """The chunk manager: allocates chunks, gathers, releases, reduces and moves them, and counts their bytes.
 
-Only this module moves chunk storage or communicates for it; the runtime (``engine``) decides *when*.
+Only this module moves chunk storage or communicates for it; the runtime (``hooks``, ``eviction``, and the
+engine's checkpoint and end-of-run paths in ``checkpoint_state``) decides *when*.
 
-[Note: collective per backend]
-A gather writes this rank's rows into a zeroed parameter-major buffer and, on gloo, all-reduces it: the rows
-partition every parameter, so the sum is the gathered chunk, and on gloo an all-reduce costs about a third of an
-all-gather of the same bytes. NCCL (or ``communication="scatter_gather"``) all-gathers rank-major slots and copies
-them out. Gradients are the mirror image: all-reduce the full gradient and keep the own rows, or reduce-scatter
-rank-major slots. Both paths give identical results; tests force the second one on gloo.
+[Note: chunk collectives per backend]
+On gloo ([Note: all-reduce on gloo] in ``distributed/collectives.py``) a gather writes this rank's rows into a zeroed
+parameter-major buffer (the gathered chunk's own layout) and all-reduces it: the rows partition every parameter, so
+the sum is the gathered chunk. NCCL (or ``communication="scatter_gather"``) all-gathers rank-major slots and copies
+them out. Gradients are the mirror image: all-reduce the parameter-major full gradient and keep the own rows, or
+stage it into rank-major slots and reduce-scatter them. Both paths give identical results; tests force the second
+one on gloo. Every gathered buffer, staging buffer and full gradient is allocated when it is needed and dropped
+after (no pool: on CUDA the caching allocator recycles the blocks).
 
 [Note: two groups]
 Gathers happen where modules need their chunks; a chunk's gradient reduction happens once its gradients are complete,
@@ -21,16 +24,17 @@ blocks on a reduction another rank has not started yet; they are waited for at t
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
+from torch.distributed import ProcessGroup, Work
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
-from lightning_colossal.gemini.layout import ChunkSpec
+from lightning_colossal.gemini.layout import ChunkMember, ChunkSpec
 from lightning_colossal.gemini.placement import PlacementPlan
 
 MAX_REDUCTIONS_IN_FLIGHT = 2
@@ -57,7 +61,7 @@ class ChunkManager:
         plan: which chunks keep gathered / offload their optimizer / offload their parameter shards.
         process_group: the data-parallel ranks.
         compute_device: where modules run.
-        use_scatter_gather: see [Note: collective per backend].
+        use_scatter_gather: see [Note: chunk collectives per backend].
         reduce_group: the same ranks as ``process_group``, for gradient reductions ([Note: two groups]).
     """
 
@@ -78,7 +82,6 @@ class ChunkManager:
         self.working_set_bytes = 0
         self.peak_working_set_bytes = 0
         self.world_size = collectives.world_size(process_group)
-        self.rank = collectives.rank(process_group)
         self.compute_device = compute_device
         self.offload_device = torch.device("cpu")
         self.use_scatter_gather = use_scatter_gather
@@ -95,7 +98,7 @@ class ChunkManager:
             master_location = Location.OFFLOAD if spec.index in plan.offload_optimizer else Location.COMPUTE
             shard = torch.zeros(spec.shard_numel, dtype=dtype, device=self.device_of(shard_location))
             if dtype == torch.float32 and self.device_of(shard_location) == self.device_of(master_location):
-                master = shard  # an fp32 shard is its own master: no second copy (see [Note: chunks])
+                master = shard  # an fp32 shard is its own master: no second copy (see chunk.py ``Chunk``)
             else:
                 master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device_of(master_location))
             chunk = Chunk(
@@ -133,14 +136,8 @@ class ChunkManager:
         work = None
         if self.world_size == 1:
             full.copy_(source)
-        elif self.use_scatter_gather:
-            self._all_gather_slots(chunk, source, full)
         else:
-            for member in chunk.spec.members:
-                if member.spec.replicated and self.rank != 0:
-                    continue  # identical on every rank: one copy in the sum
-                chunk.member_owned_in_full(full, member).copy_(chunk.member_shard(source, member).reshape(-1))
-            work = collectives.all_reduce_async(full, group=self.process_group)
+            work = self._exchange_rows(chunk, source, full)
         chunk.full = full
         self._count_working_set(_nbytes(full))
         if work is not None and asynchronous:
@@ -169,6 +166,16 @@ class ChunkManager:
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
 
+    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> Work | None:
+        """Start filling the zeroed ``full`` with every rank's rows of ``chunk``, this rank giving its shard
+        ``source`` ([Note: chunk collectives per backend]); returns the handle to wait on (``None``: done)."""
+        if self.use_scatter_gather:
+            self._all_gather_slots(chunk, source, full)
+            return None
+        for member in chunk.spec.members:
+            own_rows_into_whole(chunk.member_shard(source, member), member.spec, _flat_member(full, member))
+        return collectives.all_reduce_async(full, group=self.process_group)
+
     def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> None:
         slot = chunk.spec.slot_numel
         send = torch.zeros(slot, dtype=source.dtype, device=self.compute_device)
@@ -180,18 +187,7 @@ class ChunkManager:
         collectives.all_gather_into(slots, send, group=self.process_group)
         slots = slots.view(self.world_size, slot)
         for member in chunk.spec.members:
-            spec = member.spec
-            target = full[member.offset : member.offset + member.numel]
-            if spec.replicated:
-                target.copy_(slots[0, member.slot_offset : member.slot_offset + 1])
-                continue
-            for rank in range(self.world_size):
-                start, end = spec.rows_of(rank)
-                if end > start:
-                    count = (end - start) * spec.row_numel
-                    target[start * spec.row_numel : end * spec.row_numel].copy_(
-                        slots[rank, member.slot_offset : member.slot_offset + count]
-                    )
+            rows_from_slots(slots, member.slot_offset, member.spec, _flat_member(full, member))
 
     def _point_parameters(self, chunk: Chunk) -> None:
         assert chunk.full is not None
@@ -208,10 +204,30 @@ class ChunkManager:
         """Drop the gathered buffer; the parameters become empty placeholders until the next gather."""
         if chunk.state is ChunkState.GATHERING:
             self.wait(chunk)
+        self._drop_gathered(chunk)
+        self.detach_parameters(chunk)
+
+    def release_all(self) -> None:
+        """Release every gathered chunk (between stages; chunks stay valid, only the gathered copies go)."""
+        for chunk in self.chunks:
+            if chunk.state is ChunkState.GATHERING:
+                self.wait(chunk)
+            if chunk.state is ChunkState.AWAITING_GRADIENTS:
+                chunk.move(ChunkState.GATHERED)
+            if chunk.state is ChunkState.GATHERED:
+                self.release(chunk)
+
+    def release_keeping_values(self, chunk: Chunk) -> None:
+        """Release a gathered chunk, leaving each parameter a copy of its whole value in its own storage (end of a
+        run: the chunk stops driving the parameters; its shard and master stay readable)."""
+        for parameter in chunk.parameters:
+            parameter.data = parameter.data.clone()
+        self._drop_gathered(chunk)
+
+    def _drop_gathered(self, chunk: Chunk) -> None:
         chunk.move(ChunkState.SHARDED)
         self._count_working_set(-_nbytes(chunk.full))
         chunk.full = None
-        self.detach_parameters(chunk)
 
     def move_shard(self, chunk: Chunk, location: Location) -> None:
         """Move this rank's working shard to ``location`` (its master, if separate, stays where it is)."""
@@ -231,14 +247,7 @@ class ChunkManager:
         state is unchanged: it may be gathered here already, or not needed)."""
         source = chunk.shard.to(self.compute_device, non_blocking=True)
         full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
-        if self.use_scatter_gather:
-            self._all_gather_slots(chunk, source, full)
-            return
-        for member in chunk.spec.members:
-            if member.spec.replicated and self.rank != 0:
-                continue
-            chunk.member_owned_in_full(full, member).copy_(chunk.member_shard(source, member).reshape(-1))
-        work = collectives.all_reduce_async(full, group=self.process_group)
+        work = self._exchange_rows(chunk, source, full)
         if work is not None:
             work.wait()
 
@@ -251,28 +260,18 @@ class ChunkManager:
         chunk.full_gradient = None
         chunk.gradients_arrived = 0
         if self.use_scatter_gather and self.world_size > 1:
-            slot = chunk.spec.slot_numel
-            staging = torch.zeros(self.world_size, slot, dtype=torch.float32, device=self.compute_device)
+            staging = torch.zeros(
+                self.world_size, chunk.spec.slot_numel, dtype=torch.float32, device=self.compute_device
+            )
             for member in chunk.spec.members:
-                spec = member.spec
-                source = full[member.offset : member.offset + member.numel]
-                for rank in range(self.world_size):
-                    if spec.replicated:
-                        staging[rank, member.slot_offset : member.slot_offset + 1].copy_(source)
-                        continue
-                    start, end = spec.rows_of(rank)
-                    if end > start:
-                        staging[rank, member.slot_offset : member.slot_offset + (end - start) * spec.row_numel].copy_(
-                            source[start * spec.row_numel : end * spec.row_numel]
-                        )
-            received = torch.empty(slot, dtype=torch.float32, device=self.compute_device)
-            work = collectives.reduce_scatter_async(received, staging.view(-1), group=self.reduce_group)
+                rows_into_slots(_flat_member(full, member), member.spec, staging, member.slot_offset)
+            work, received = collectives.reduce_own_slot_async(staging.view(-1), self.reduce_group, scatter=True)
             self._pending.append(_PendingReduction(chunk, work, received, staging, rank_major=True))
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)
             self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
         # Bound the full gradients in flight: the working set stays a few chunks, not the whole model (once no rank
-        # can still need a gather round from this one: engine.py [Note: gathering in rounds]).
+        # can still need a gather round from this one: hooks.py [Note: gathering in rounds]).
         self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT if bound_in_flight else None)
 
     def complete_reductions(self, block: bool, keep_at_most: int | None = None) -> None:
@@ -300,10 +299,6 @@ class ChunkManager:
                     own = chunk.member_owned_in_full(pending.result, member)
                 target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
                 target.add_(own.to(target.device, non_blocking=True), alpha=1.0 / self.world_size)
-
-    @property
-    def reductions_in_flight(self) -> int:
-        return len(self._pending)
 
     def attach_master_gradients(self, has_gradient: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """Point each master's ``.grad`` at its reduced rows; ``None`` where ``has_gradient(parameter)`` is false."""
@@ -345,8 +340,10 @@ class ChunkManager:
         """``chunk_bytes`` of each chunk on its own, in chunk order (where each chunk's bytes live)."""
         return [_one_chunk_bytes(chunk, optimizer_state) for chunk in self.chunks]
 
-    def gathered_chunks(self) -> Iterable[Chunk]:
-        return (chunk for chunk in self.chunks if chunk.state is not ChunkState.SHARDED)
+
+def _flat_member(full: Tensor, member: ChunkMember) -> Tensor:
+    """``member``'s whole flat value inside a gathered-shaped flat ``full``."""
+    return full[member.offset : member.offset + member.numel]
 
 
 def chunk_gradient_bytes(chunk: Chunk) -> int:

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.staging import copy_out_of_flat
 from lightning_colossal.parallel.tensor_parallel import local_view
 
 
@@ -34,10 +35,7 @@ class GradientAverager:
         for bucket in self._buckets():
             flat = torch.cat([gradient.reshape(-1) for gradient in bucket])
             collectives.all_reduce(flat, op="mean", group=self.group)
-            offset = 0
-            for gradient in bucket:
-                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
+            copy_out_of_flat(flat, bucket)
 
     def _buckets(self) -> list[list[Tensor]]:
         buckets: list[list[Tensor]] = []

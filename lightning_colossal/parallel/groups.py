@@ -32,17 +32,10 @@ class HybridGroups:
     reduce_mesh: DeviceMesh  # 1-D, dp x sp (see [Note: the gradient-reduction axis])
     reduce_group: ProcessGroup | None
     describe_mesh: DeviceMesh  # 2-D (tp, dp x sp)
-    tp_size: int
     pp_size: int
-    sp_size: int
-    dp_size: int
     tp_rank: int
     pp_rank: int
     reduce_rank: int
-
-    @property
-    def reduce_size(self) -> int:
-        return self.dp_size * self.sp_size
 
 
 def _axis_lists(grid: torch.Tensor, axis: int) -> list[list[int]]:
@@ -96,10 +89,7 @@ def build_groups(mesh: DeviceMesh, timeout: timedelta) -> HybridGroups:
         reduce_mesh=reduce_mesh,
         reduce_group=reduce_group if dp * sp > 1 else None,
         describe_mesh=describe_mesh,
-        tp_size=tp,
         pp_size=pp,
-        sp_size=sp,
-        dp_size=dp,
         tp_rank=tp_index,
         pp_rank=pp_index,
         reduce_rank=reduce_index,

@@ -208,7 +208,7 @@ class DecoderStage(nn.Module):
             self.lm_head = model.lm_head if base is not model else nn.Identity()
             if isinstance(self.lm_head, VocabParallelHead):
                 self.lm_head.local_output = True
-        #: The last stage returns this rank's vocabulary slice of the logits (see ``HybridEngine._stage_loss``).
+        #: The last stage returns this rank's vocabulary slice of the logits (see ``PipelineStep._stage_loss``).
         self.vocab_parallel_output = last and isinstance(getattr(model, "lm_head", None), VocabParallelHead)
 
     def forward(self, hidden: Tensor) -> Tensor:

@@ -1,229 +1,217 @@
-"""Pipeline parallelism: which layers each stage runs, which stages each rank holds, and running a schedule.
+"""The pipeline part of the hybrid engine (``pp_size > 1`` only): cutting the model into this rank's stages, the
+weights tied across stages, and one training, evaluation or prediction step of the schedule, whose result every
+pipeline rank receives. Which stages a rank runs: ``stages.py``; running torch's schedules: ``schedules.py``.
 
-The schedules are ``torch.distributed.pipelining``'s (1F1B, interleaved 1F1B, zero-bubble V); this module decides
-the split and adapts the step to a training loop: split the batch into micro-batches, run forward and backward of
-every micro-batch, and return the mean loss.
-
-[Note: stage placement]
-With ``S`` pipeline ranks and ``C`` chunks per rank there are ``S * C`` stages. 1F1B: rank r runs stage r.
-Interleaved: rank r runs stages ``r, r + S, r + 2S, ...`` (a loop, so activations always move to the next rank).
-ZB-V: rank r runs stages ``r`` and ``2S - 1 - r`` (a V: the last stage is back on rank 0, next to the first, which
-lets the zero-bubble schedule start backward early). Layers are split as evenly as possible, extra layers going to
-the middle stages: the first stage also embeds and the last also runs the head and the loss.
+[Note: tied weights across stages]
+The embedding (first stage) and a tied LM head (last stage) are one parameter in the user's model and two copies
+under pipelining. Their gradients are summed over the stages that hold them before the data-parallel reduction,
+so both copies take identical steps. Optimizer state is saved under the parameter's first name (its canonical
+name), which both copies share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.tensor import DTensor
 
+from lightning_colossal.config import HybridConfig
 from lightning_colossal.distributed import collectives
+from lightning_colossal.parallel.batches import pipeline_batch
+from lightning_colossal.parallel.groups import HybridGroups, stage_tie_group
+from lightning_colossal.parallel.names import ParameterNames
+from lightning_colossal.parallel.policy import ModelPolicy
+from lightning_colossal.parallel.schedules import PipelineRunner
+from lightning_colossal.parallel.stages import split_layers, stage_holders, stages_of_rank
+from lightning_colossal.parallel.tensor_parallel import ParallelContext, loss_context, vocab_sharded
+
+LossFunction = Callable[[Tensor, Any], Tensor]
 
 
-def split_layers(num_layers: int, num_stages: int, layers_per_stage: Sequence[int] | None = None) -> list[range]:
-    """Layer index ranges of each stage (see [Note: stage placement]).
-
-    Raises:
-        ValueError: fewer layers than stages, or ``layers_per_stage`` not summing to ``num_layers``.
-    """
-    if layers_per_stage is not None:
-        if sum(layers_per_stage) != num_layers or len(layers_per_stage) != num_stages:
-            raise ValueError(
-                f"layers_per_stage={list(layers_per_stage)} must have {num_stages} entries summing to the model's"
-                f" {num_layers} layers."
-            )
-        counts = list(layers_per_stage)
-    else:
-        if num_layers < num_stages:
-            raise ValueError(
-                f"The model has {num_layers} layers but the pipeline has {num_stages} stages (pp_size *"
-                " num_model_chunks): every stage needs at least one layer; lower pp_size or num_model_chunks."
-            )
-        base, extra = divmod(num_layers, num_stages)
-        counts = [base] * num_stages
-        # Extra layers go to the middle stages: the first and last stages also embed and compute the head/loss.
-        middle = (num_stages - extra) // 2
-        for index in range(middle, middle + extra):
-            counts[index] += 1
-    ranges, start = [], 0
-    for count in counts:
-        ranges.append(range(start, start + count))
-        start += count
-    return ranges
-
-
-def stages_of_rank(pp_rank: int, pp_size: int, num_model_chunks: int, schedule: str) -> list[int]:
-    """Stage indices pipeline rank ``pp_rank`` runs, in chunk order (see [Note: stage placement])."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + chunk * pp_size for chunk in range(num_model_chunks)]
-
-
-def microbatch_count(batch_size: int, num_microbatches: int | None, microbatch_size: int | None) -> int:
-    """How many micro-batches a batch of ``batch_size`` samples splits into; raises when it does not split evenly."""
-    if num_microbatches is not None:
-        if batch_size % num_microbatches != 0:
-            raise ValueError(
-                f"A batch of {batch_size} samples does not split into num_microbatches={num_microbatches} equal"
-                " micro-batches: use a batch size divisible by it (drop_last=True in the DataLoader for a short"
-                " last batch)."
-            )
-        return num_microbatches
-    assert microbatch_size is not None
-    if batch_size % microbatch_size != 0:
-        raise ValueError(
-            f"A batch of {batch_size} samples does not split into micro-batches of microbatch_size={microbatch_size}:"
-            " use a batch size divisible by it (drop_last=True in the DataLoader for a short last batch)."
-        )
-    return batch_size // microbatch_size
-
-
-@dataclass
-class PipelineResult:
-    """What one pipeline step produced on this rank."""
-
-    loss: Tensor | None  # mean over micro-batches; only on the rank holding the last stage
-    outputs: list[Tensor]  # last-stage outputs per micro-batch (forward-only runs), else empty
-
-
-class PipelineRunner:
-    """Runs one schedule over this rank's stage modules.
+class PipelineStep:
+    """Cuts ``model`` into this rank's stages (in place) and runs the schedule's steps over them.
 
     Args:
-        stage_modules: this rank's stage modules, in chunk order (``stages_of_rank``).
-        stage_indices: their global stage indices.
-        num_stages: stages in total.
-        group: the pipeline-parallel process group.
+        root: the module whose parameter names checkpoints use (the LightningModule).
+        model: the model the policy knows (``root`` itself or one of its submodules), already tensor-parallel.
+        policy: the model's policy (it knows the layer stack, the embedding and the head).
+        config: hybrid settings; ``config.pipeline`` is set.
+        groups: process groups from ``groups.build_groups``.
+        context: the tensor-parallel groups (the last stage may return vocabulary-sharded logits).
+        names: the whole model's names (weights tied across stages have several).
         device: where the stages compute.
-        schedule: ``"1f1b"``, ``"interleaved"`` or ``"zbv"``.
-        loss_function: ``(last-stage output, targets) -> scalar`` for one micro-batch.
+        timeout: timeout of the group created here for the tied weights.
+        reduction_deferred: a context in which the data-parallel reduction waits: the schedule runs backward
+            micro-batch by micro-batch, and the engine reduces once, after the step.
     """
 
     def __init__(
         self,
-        stage_modules: list[nn.Module],
-        stage_indices: list[int],
-        num_stages: int,
-        group: ProcessGroup,
+        root: nn.Module,
+        model: nn.Module,
+        policy: ModelPolicy,
+        config: HybridConfig,
+        groups: HybridGroups,
+        context: ParallelContext,
+        names: ParameterNames,
         device: torch.device,
-        schedule: str,
-        loss_function: Callable[[Tensor, Any], Tensor],
+        timeout: timedelta,
+        reduction_deferred: Callable[[], AbstractContextManager[Any]],
     ) -> None:
-        self.stage_modules = stage_modules
-        self.stage_indices = stage_indices
-        self.num_stages = num_stages
-        self.group = group
+        assert config.pipeline is not None and groups.pp_group is not None
+        self.config = config.pipeline
+        self.group = groups.pp_group
+        self.context = context
         self.device = device
-        self.schedule_name = schedule
-        self.loss_function = loss_function
-        self.holds_first = 0 in stage_indices
-        self.holds_last = num_stages - 1 in stage_indices
-        self._schedules: dict[tuple[int, bool], Any] = {}
-
-    def _schedule(self, num_microbatches: int, training: bool) -> Any:
-        # Stages record shapes on first use; one schedule per (micro-batch count, mode) keeps that cache valid.
-        key = (num_microbatches, training)
-        if key not in self._schedules:
-            stages = [
-                PipelineStage(module, index, self.num_stages, self.device, group=self.group)
-                for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
-            ]
-            loss = _scaled_loss(self.loss_function, num_microbatches) if training else None
-            if self.schedule_name == "1f1b":
-                schedule: Any = Schedule1F1B(stages[0], num_microbatches, loss_fn=loss, scale_grads=False)
-            elif self.schedule_name == "interleaved":
-                schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss, scale_grads=False)
-            else:
-                schedule = ScheduleZBVZeroBubble(stages, num_microbatches, loss_fn=loss, scale_grads=False)
-            self._schedules[key] = schedule
-        return self._schedules[key]
-
-    def train_step(self, inputs: Tensor | None, targets: Any, num_microbatches: int) -> PipelineResult:
-        """Forward and backward of every micro-batch; gradients accumulate (summed) into the stage parameters.
-
-        The loss of each micro-batch is divided by ``num_microbatches`` before its backward, so the accumulated
-        gradients are those of the mean loss over the whole batch, as a single-process step would compute.
-        """
-        schedule = self._schedule(num_microbatches, training=True)
-        losses: list[Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.holds_last:
-            kwargs["target"] = targets
-            kwargs["losses"] = losses
-        arguments = (inputs,) if self.holds_first else ()
-        schedule.step(*arguments, **kwargs)
-        # Each micro-batch loss was divided by the count already (see _scaled_loss): their sum is the mean.
-        loss = torch.stack([value.detach() for value in losses]).sum() if self.holds_last else None
-        return PipelineResult(loss=loss, outputs=[])
-
-    def evaluate(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:
-        """Forward only; the last stage's outputs per micro-batch come back on the rank holding it.
-
-        ``holders[s]`` is the pipeline rank running stage ``s``. torch's zero-bubble V schedule has no forward-only
-        mode, so under ``zbv`` micro-batches go through the stages one after the other (no overlap; evaluation has
-        no backward to overlap with anyway, only the pipeline fill).
-        """
-        if self.schedule_name == "zbv":
-            return self._evaluate_in_order(inputs, num_microbatches, holders)
-        schedule = self._schedule(num_microbatches, training=False)
-        arguments = (inputs,) if self.holds_first else ()
-        with torch.no_grad():
-            output = schedule.eval(*arguments)  # the micro-batch outputs concatenated, on the last stage only
-        outputs = list(output.chunk(num_microbatches)) if self.holds_last else []
-        return PipelineResult(loss=None, outputs=outputs)
-
-    def _evaluate_in_order(self, inputs: Tensor | None, num_microbatches: int, holders: list[int]) -> PipelineResult:
-        own = collectives.rank(self.group)
-        module_of = dict(zip(self.stage_indices, self.stage_modules, strict=True))
-        pieces: list[Tensor | None] = (
-            list(inputs.chunk(num_microbatches)) if inputs is not None else [None] * num_microbatches
+        self._reduction_deferred = reduction_deferred
+        schedule, chunks = self.config.pp_schedule, self.config.num_model_chunks
+        stage_indices = stages_of_rank(groups.pp_rank, groups.pp_size, chunks, schedule)
+        modules = self._cut(model, policy, config.num_stages, stage_indices)
+        #: Pipeline rank running each stage.
+        self.stage_holders = stage_holders(groups.pp_size, chunks, schedule)
+        self.tied, self.tie_group = self._join_tied_weights(root, names, groups, timeout)
+        self._tied_keys = {id(parameter) for parameter in self.tied}
+        self.runner = PipelineRunner(
+            modules, stage_indices, config.num_stages, self.group, device, schedule, self._stage_loss
         )
-        outputs = []
-        with torch.no_grad():
-            for piece in pieces:
-                hidden = piece
-                for stage in range(self.num_stages):
-                    if holders[stage] != own:
-                        continue
-                    if stage > 0 and holders[stage - 1] != own:
-                        hidden = collectives.receive_tensor(holders[stage - 1], self.group, self.device)
-                    assert hidden is not None
-                    hidden = module_of[stage](hidden)
-                    if stage + 1 < self.num_stages and holders[stage + 1] != own:
-                        collectives.send_tensor(hidden, holders[stage + 1], self.group)
-                if self.holds_last:
-                    assert hidden is not None
-                    outputs.append(hidden)
-        return PipelineResult(loss=None, outputs=outputs)
+        # The user's per-micro-batch loss and the factor (accumulation, loss scale) of the running step.
+        self._loss_function: LossFunction | None = None
+        self._loss_multiplier = 1.0
+
+    def _cut(self, model: nn.Module, policy: ModelPolicy, num_stages: int, stage_indices: list[int]) -> list[nn.Module]:
+        """This rank's stage modules; the layers, embedding and head of other ranks' stages are pruned."""
+        ranges = split_layers(len(policy.layers(model)), num_stages, self.config.layers_per_stage)
+        last = num_stages - 1
+        modules = [
+            policy.stage_module(model, list(ranges[index]), index == 0, index == last, self.context)
+            for index in stage_indices
+        ]
+        keep = {layer for index in stage_indices for layer in ranges[index]}
+        policy.prune(model, keep, first=0 in stage_indices, last=last in stage_indices)
+        # Whether the last stage returns this rank's vocabulary slice of the logits (a vocabulary-parallel head).
+        self._stage_logits_sharded = any(getattr(module, "vocab_parallel_output", False) for module in modules)
+        return modules
+
+    def _join_tied_weights(
+        self, root: nn.Module, names: ParameterNames, groups: HybridGroups, timeout: timedelta
+    ) -> tuple[list[nn.Parameter], Any]:
+        """The weights this rank shares with another stage, and the group summing their gradients (see [Note: tied
+        weights across stages])."""
+        # The first and last stage's ranks (0 and S-1; both 0 under the V schedule) share the tied weights.
+        holders = sorted({0, self.stage_holders[-1]})
+        tie_group = stage_tie_group(groups.mesh, holders, timeout) if len(holders) > 1 else None
+        if tie_group is None:
+            return [], None
+        # Parameters that had several names in the whole model and survived pruning on this rank.
+        return [parameter for parameter in root.parameters() if len(names.names_of[id(parameter)]) > 1], tie_group
+
+    @property
+    def holds_first(self) -> bool:
+        return self.runner.holds_first
+
+    @property
+    def holds_last(self) -> bool:
+        return self.runner.holds_last
+
+    # ---------------------------------------------------------------------------------------------- gradients
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of the weights tied across stages, so both copies take the same step."""
+        if self.tie_group is None:
+            return
+        for parameter in self.tied:
+            if parameter.grad is None:
+                parameter.grad = torch.zeros_like(parameter)
+            collectives.sum_within_group(parameter.grad, self.tie_group)
+
+    def counts_in_norm(self, parameter_key: int) -> bool:
+        """Whether this rank's stages count parameter ``parameter_key`` in the gradient norm: a weight tied across
+        stages is counted by the first stage only."""
+        return parameter_key not in self._tied_keys or self.holds_first
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def _stage_loss(self, output: Tensor, target: Any) -> Tensor:
+        """The user's loss on the last stage's output (runs inside ``loss_context``)."""
+        assert self._loss_function is not None
+        if self._stage_logits_sharded and output.dim() >= 1:
+            loss = self._loss_function(vocab_sharded(output, self.context), target)
+            if isinstance(loss, DTensor):
+                loss = loss.to_local()
+        else:
+            loss = self._loss_function(output, target)
+        return loss * self._loss_multiplier
+
+    def train_step(self, batch: Any, loss_function: LossFunction, loss_multiplier: float) -> Tensor:
+        """Forward and backward of every micro-batch of ``batch``; the batch's mean loss, on every pipeline rank.
+
+        ``loss_multiplier`` scales each micro-batch loss before backward (loss scale / accumulation), not the result.
+        """
+        inputs, targets, num_microbatches = pipeline_batch(batch, self.config)
+        self._loss_function = loss_function
+        self._loss_multiplier = loss_multiplier
+        with self._reduction_deferred(), loss_context(self.context):
+            result = self.runner.train_step(inputs, targets, num_microbatches)
+        return self._loss_from_last_stage(None if result.loss is None else result.loss / loss_multiplier)
+
+    def evaluate(self, batch: Any, loss_function: LossFunction) -> Tensor:
+        """Forward-only schedule; the mean loss over the micro-batches of ``batch``, on every pipeline rank."""
+        inputs, targets, num_microbatches = pipeline_batch(batch, self.config)
+        result = self.runner.evaluate(inputs if self.holds_first else None, num_microbatches, self.stage_holders)
+        if not self.holds_last:
+            return self._loss_from_last_stage(None)
+        self._loss_function = loss_function
+        self._loss_multiplier = 1.0
+        target_pieces = targets.chunk(num_microbatches) if isinstance(targets, Tensor) else [targets]
+        with torch.no_grad(), loss_context(self.context):
+            losses = [
+                self._stage_loss(output, target) for output, target in zip(result.outputs, target_pieces, strict=True)
+            ]
+        return self._loss_from_last_stage(torch.stack(losses).mean())
+
+    def predict(self, batch: Any) -> Tensor | None:
+        """Forward-only schedule; the whole batch's last-stage outputs (logits gathered over the vocabulary
+        shards) on the rank holding the last stage, ``None`` elsewhere (``share_from_last_stage`` sends them on)."""
+        inputs, _, num_microbatches = pipeline_batch(batch, self.config, targets_required=False)
+        result = self.runner.evaluate(inputs if self.holds_first else None, num_microbatches, self.stage_holders)
+        if not self.holds_last:
+            return None
+        outputs = torch.cat(result.outputs)
+        if self._stage_logits_sharded:
+            outputs = collectives.gather_along(outputs.contiguous(), outputs.dim() - 1, self.context.tp_group)
+        return outputs
+
+    def share_from_last_stage(self, value: Any) -> Any:
+        """The last stage's ``value`` (any picklable object) on every pipeline rank."""
+        return collectives.broadcast_object(value, source_rank=self.stage_holders[-1], group=self.group)
+
+    def _loss_from_last_stage(self, loss: Tensor | None) -> Tensor:
+        """Give every pipeline rank the last stage's scalar (the loss, for logging): one sum all-reduce."""
+        if self.holds_last and loss is not None:
+            scalar = loss.detach().float().reshape(()).clone()
+        else:
+            scalar = torch.zeros((), device=self.device)
+        collectives.all_reduce(scalar, op="sum", group=self.group)
+        return scalar
 
 
-def _scaled_loss(
-    loss_function: Callable[[Tensor, Any], Tensor], num_microbatches: int
-) -> Callable[[Tensor, Any], Tensor]:
-    # Dividing each loss (not the gradients afterwards, as the schedules' scale_grads does) keeps gradients that
-    # Lightning accumulates over several batches intact.
-    def scaled(output: Tensor, target: Any) -> Tensor:
-        return loss_function(output, target) / num_microbatches
+class GradientStash:
+    """Gradients set aside across a training loop's ``zero_grad`` between a step that already ran backward (the
+    pipeline schedule) and the loop's own backward call, where they are put back. (Lightning zeroes gradients
+    between ``training_step`` and ``backward``.)"""
 
-    return scaled
+    def __init__(self) -> None:
+        self._stashed: list[tuple[nn.Parameter, Tensor]] = []
 
+    def set_aside(self, parameters: Iterable[nn.Parameter]) -> None:
+        self._stashed = [(parameter, parameter.grad) for parameter in parameters if parameter.grad is not None]
+        for parameter, _ in self._stashed:
+            parameter.grad = None
 
-def broadcast_from_last_stage(
-    value: Tensor | None, holds_last: bool, group: ProcessGroup, device: torch.device
-) -> Tensor:
-    """Give every pipeline rank the last stage's scalar (e.g. the loss for logging): one sum all-reduce."""
-    scalar = value.detach().float().reshape(()) if holds_last and value is not None else torch.zeros((), device=device)
-    scalar = scalar.clone()
-    collectives.all_reduce(scalar, op="sum", group=group)
-    return scalar
+    def put_back(self) -> None:
+        for parameter, gradient in self._stashed:
+            parameter.grad = gradient
+        self._stashed = []

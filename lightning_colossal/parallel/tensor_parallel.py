@@ -16,6 +16,7 @@ its pieces).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +113,9 @@ def describe_shard(
     local: Tensor, placement: TensorParallelPlacement, mesh: DeviceMesh, full_shape: torch.Size
 ) -> Tensor:
     """This rank's contiguous piece as a ``DTensor`` of the whole tensor (what DCP saves and reshards)."""
-    assert placement.fused_parts == 1, "fused parameters are saved whole (see HybridEngine.model_state)"
+    assert placement.fused_parts == 1, (
+        "fused parameters are saved whole (checkpoint_view.py [Note: fused shards are saved whole])"
+    )
     return piece_of_whole(local, mesh, [Shard(placement.dim)], full_shape)
 
 
@@ -300,3 +303,12 @@ def vocab_sharded(local_logits: Tensor, context: ParallelContext) -> Tensor:
     assert context.tp_mesh is not None
     shape = (*local_logits.shape[:-1], local_logits.shape[-1] * context.tp_size)
     return piece_of_whole(local_logits, context.tp_mesh, [Shard(local_logits.dim() - 1)], shape)
+
+
+def loss_context(context: ParallelContext) -> AbstractContextManager[Any]:
+    """``loss_parallel`` under tensor parallelism (vocabulary-sharded logits), for forward and backward alike."""
+    if context.tp_size == 1:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

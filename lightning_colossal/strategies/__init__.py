@@ -2,6 +2,7 @@
 
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
+from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
 from lightning_colossal.strategies.gemini import GeminiStrategy
 from lightning_colossal.strategies.hybrid import HybridParallelStrategy
@@ -20,6 +21,7 @@ __all__ = [
     "ColossalDDPStrategy",
     "ColossalFSDPStrategy",
     "ColossalStrategy",
+    "EngineStrategy",
     "GeminiStrategy",
     "HybridParallelStrategy",
     "ZeroStrategy",

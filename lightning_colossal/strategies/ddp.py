@@ -10,28 +10,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.overrides.distributed import prepare_for_backward
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_colossal.config import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    DDPConfig,
-    GradientCompression,
-    LossScalerConfig,
-    NonFiniteAction,
-    StartMethod,
-)
+from lightning_colossal.config import DDPConfig, GradientCompression
 from lightning_colossal.distributed.compression import compressed_all_reduce_hook
+from lightning_colossal.strategies._lightning_private import (
+    _ForwardRedirection,
+    _optimizers_to_device,
+    _sync_module_states,
+)
 from lightning_colossal.strategies.base import ColossalStrategy
 
 
@@ -43,7 +36,8 @@ class ColossalDDPStrategy(ColossalStrategy):
         gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient copy less).
         static_graph: the set of used parameters never changes between steps.
         find_unused_parameters: search for parameters without gradient every step (needed when some are unused).
-        forward_sync_buffers: broadcast buffers from rank 0 before every forward (default ``True``).
+        forward_sync_buffers: broadcast buffers from rank 0 before every forward. ``None`` (the default) means
+            ``True``, unless the deprecated ``broadcast_buffers`` is passed, which then alone decides.
         broadcast_buffers: deprecated (as in torch's DDP): use ``forward_sync_buffers``. Keep
             ``broadcast_buffers=False`` only for rank-local buffers that must not be synced when the model is wrapped.
         gradient_compression: ``"fp16"`` or ``"bf16"`` to all-reduce gradients in half precision.
@@ -60,27 +54,9 @@ class ColossalDDPStrategy(ColossalStrategy):
         forward_sync_buffers: bool | None = None,
         broadcast_buffers: bool | None = None,
         gradient_compression: GradientCompression | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-        start_method: StartMethod = "popen",
-        loss_scaler: LossScalerConfig | None = None,
-        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
-        on_nonfinite: NonFiniteAction | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            loss_scaler=loss_scaler,
-            heartbeat_timeout=heartbeat_timeout,
-            on_nonfinite=on_nonfinite,
-        )
+        super().__init__(**kwargs)
         self._forward_redirection = _ManualOptimizationAwareRedirection()
         if broadcast_buffers is not None:
             if forward_sync_buffers is not None:
@@ -171,11 +147,6 @@ class ColossalDDPStrategy(ColossalStrategy):
         super().teardown()
 
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def model_state_for_checkpoint(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        # state_dict() tensors alias the parameters, so DCP loads straight into the live model.
-        return self.lightning_module.state_dict()
-
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(state_dict, strict=strict)

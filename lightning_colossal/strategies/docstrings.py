@@ -4,7 +4,9 @@ LightningCLI (through jsonargparse and docstring-parser) shows an argument's des
 constructor takes it documents it, one argument per line. The arguments every strategy passes to the base (the
 timeout, the launcher, ...) and those a strategy forwards to its config (``HybridConfig``) are described once,
 where they are defined; ``complete_argument_docs`` copies those descriptions into each strategy's docstring when
-the class is created, so ``--trainer.strategy.help`` lists them all without the text being written five times.
+the class is created, so ``help(ZeroStrategy)`` and the API docs list them all without the text being written five
+times. A strategy forwards its ``**kwargs`` to ``super().__init__``; ``constructor_arguments`` follows that the way
+jsonargparse does for ``--trainer.strategy.help``, so both see the same arguments.
 """
 
 from __future__ import annotations
@@ -30,6 +32,25 @@ def argument_docs(documented: type) -> dict[str, list[str]]:
     return entries
 
 
+def constructor_arguments(cls: type) -> list[str]:
+    """The keyword arguments ``cls(...)`` accepts: its ``__init__``'s, then, while an ``__init__`` takes ``**kwargs``
+    (forwarded to ``super().__init__``, as every strategy does), those of the next ``__init__`` up the MRO."""
+    names: list[str] = []
+    for owner in cls.__mro__:
+        init = owner.__dict__.get("__init__")
+        if init is None:
+            continue
+        parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
+        named = (parameter.name for parameter in parameters if parameter.kind not in _VARIADIC)
+        names.extend(name for name in named if name not in names)
+        if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+            break
+    return names
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
 def complete_argument_docs(cls: type, sources: tuple[type, ...]) -> None:
     """Add to ``cls``'s ``Args:`` section every constructor argument it does not describe, from ``sources``."""
     doc = inspect.getdoc(cls)
@@ -38,8 +59,8 @@ def complete_argument_docs(cls: type, sources: tuple[type, ...]) -> None:
     own = argument_docs(cls)
     borrowed = [argument_docs(source) for source in sources]
     missing: list[str] = []
-    for name in inspect.signature(cls.__init__).parameters:
-        if name == "self" or name in own:
+    for name in constructor_arguments(cls):
+        if name in own:
             continue
         for entries in borrowed:
             if name in entries:

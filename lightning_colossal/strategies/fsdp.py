@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import ClusterEnvironment
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -35,26 +33,20 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    LossScalerConfig,
-    NonFiniteAction,
-    StartMethod,
-)
+from lightning_colossal.config import FSDPConfig
 from lightning_colossal.distributed.mesh import apply_timeout
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
     detect_block_classes,
-    full_tensor,
     include_unused_parameters_in_reduction,
     shard_model,
     sharded_roots,
-    unshard_model,
 )
 from lightning_colossal.fsdp.initialise import DEFAULT_INIT_WINDOW_BYTES, initialise_shards, storage_free_template
-from lightning_colossal.strategies.base import ColossalStrategy, _unwrap_optimizer
+from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.optimizers import unwrap_optimizer
+from lightning_colossal.strategies.plain_weights import give_back_plain_weights
 
 
 class ColossalFSDPStrategy(ColossalStrategy):
@@ -64,17 +56,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
         wrap_policy: which modules to shard one by one (transformer blocks): a list of class names, or a predicate
             ``module -> bool``. ``None`` detects them: the classes a model names in ``_no_split_modules`` (Hugging
             Face models; the demo GPT declares its ``Block`` the same way).
-        reshard_after_forward: free gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward
-            (ZeRO-2-like: more memory, one all-gather less per step).
-        cpu_offload: keep parameter, gradient and optimizer shards in CPU memory (FSDP2's ``CPUOffloadPolicy``).
-        activation_checkpointing: recompute each sharded block's activations in backward.
-        replicate_size: hybrid sharding (HSDP): parameters are sharded within groups of ``world / replicate_size``
-            ranks and replicated across ``replicate_size`` such groups (e.g. one group per node).
-        keep_weights_sharded: after each run leave the module's parameters as FSDP's DTensor shards instead of
-            gathering full plain tensors onto every rank (the default, as Lightning's ``ddp``). For models too large
-            for one rank's memory; see [Note: what the module holds after a run].
     """
 
+    argument_doc_sources = (FSDPConfig,)
     materialises_meta_models = True  # meta models are materialised per shard after fully_shard
 
     def __init__(
@@ -85,35 +69,17 @@ class ColossalFSDPStrategy(ColossalStrategy):
         activation_checkpointing: bool = False,
         replicate_size: int = 1,
         keep_weights_sharded: bool = False,
-        process_group_backend: str | None = None,
-        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-        start_method: StartMethod = "popen",
-        loss_scaler: LossScalerConfig | None = None,
-        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
-        on_nonfinite: NonFiniteAction | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            loss_scaler=loss_scaler,
-            heartbeat_timeout=heartbeat_timeout,
-            on_nonfinite=on_nonfinite,
+        super().__init__(**kwargs)
+        self.fsdp_config = FSDPConfig(
+            wrap_policy=tuple(wrap_policy) if wrap_policy is not None and not callable(wrap_policy) else wrap_policy,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+            activation_checkpointing=activation_checkpointing,
+            replicate_size=replicate_size,
+            keep_weights_sharded=keep_weights_sharded,
         )
-        if replicate_size < 1:
-            raise ValueError(f"replicate_size={replicate_size}: pass 1 (plain FSDP) or the number of replica groups.")
-        self.wrap_policy = wrap_policy
-        self.reshard_after_forward = reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.activation_checkpointing = activation_checkpointing
-        self.replicate_size = replicate_size
-        self.keep_weights_sharded = keep_weights_sharded
         self._roots: list[FSDPModule] = []
         # Names of the module's parameters before sharding, by id: after a validate/test/predict run the optimizers
         # of an earlier fit hold those plain parameters, and teardown re-points them by name.
@@ -128,15 +94,16 @@ class ColossalFSDPStrategy(ColossalStrategy):
         return [("colossal_fsdp", {"cpu_offload": False}), ("colossal_fsdp_offload", {"cpu_offload": True})]
 
     def _sharding_mesh(self) -> DeviceMesh:
-        if self.world_size % self.replicate_size != 0:
+        replicate_size = self.fsdp_config.replicate_size
+        if self.world_size % replicate_size != 0:
             raise ValueError(
-                f"replicate_size={self.replicate_size} does not divide the world size {self.world_size}: choose a"
+                f"replicate_size={replicate_size} does not divide the world size {self.world_size}: choose a"
                 " divisor (e.g. the number of nodes)."
             )
-        if self.replicate_size == 1:
+        if replicate_size == 1:
             return self.device_mesh["dp"]
         # HSDP: a 2-D mesh (replicate, shard); fully_shard replicates over the first axis, shards over the second.
-        shape = (self.replicate_size, self.world_size // self.replicate_size)
+        shape = (replicate_size, self.world_size // replicate_size)
         mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
         apply_timeout(mesh, self._timeout)
         return mesh
@@ -171,7 +138,8 @@ class ColossalFSDPStrategy(ColossalStrategy):
             self.model.to(self.root_device)
 
     def _shard(self, module: pl.LightningModule) -> list[FSDPModule]:
-        policy = self.wrap_policy
+        config = self.fsdp_config
+        policy = config.wrap_policy
         if callable(policy):
             is_block = policy
         else:
@@ -187,10 +155,10 @@ class ColossalFSDPStrategy(ColossalStrategy):
             module,
             self._sharding_mesh(),
             is_block,
-            reshard_after_forward=self.reshard_after_forward,
+            reshard_after_forward=config.reshard_after_forward,
             mixed_precision=self._mixed_precision_policy(),
-            cpu_offload=self.cpu_offload,
-            activation_checkpointing=self.activation_checkpointing,
+            cpu_offload=config.cpu_offload,
+            activation_checkpointing=config.activation_checkpointing,
         )
         if template is not None:
             initialise_shards(module, template, self.root_device, DEFAULT_INIT_WINDOW_BYTES)
@@ -224,7 +192,12 @@ class ColossalFSDPStrategy(ColossalStrategy):
 
     def teardown(self) -> None:
         self._gradient_tracker = None  # it holds this run's sharded parameters
-        if self.keep_weights_sharded or self._run_failed or not self._roots or self.lightning_module is None:
+        if (
+            self.fsdp_config.keep_weights_sharded
+            or self._run_failed
+            or not self._roots
+            or self.lightning_module is None
+        ):
             # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
             assert self.cluster_environment is not None and self.accelerator is not None
             self._finish_watchdog()
@@ -232,26 +205,13 @@ class ColossalFSDPStrategy(ColossalStrategy):
             self.precision_plugin.teardown()
             self.accelerator.teardown()
             return
-        self._give_back_plain_weights(self.lightning_module)
+        # Unshard into full plain parameters and point the optimizers at them (a collective).
+        give_back_plain_weights(self.lightning_module, self.optimizers, self._names_before_sharding)
+        self._roots = []
         # The module is an ordinary one again: the base teardown moves it (and the optimizers) to the CPU.
         super().teardown()
 
-    def _give_back_plain_weights(self, module: pl.LightningModule) -> None:
-        """Unshard the module into full plain parameters and point the optimizers at them (a collective)."""
-        sharded_names = {id(parameter): name for name, parameter in module.named_parameters()}
-        replaced = unshard_model(module, torch.device("cpu"))
-        self._roots = []
-        plain_by_name = dict(module.named_parameters())
-        known_names = {**self._names_before_sharding, **sharded_names}
-        for optimizer in self.optimizers:
-            _point_optimizer_at(_unwrap_optimizer(optimizer), replaced, known_names, plain_by_name)
-
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def model_state_for_checkpoint(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        # FSDP2 parameters are DTensors aliasing the live shards: DCP saves and loads them in place.
-        return self.lightning_module.state_dict()
-
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         assert self.lightning_module is not None
         options = StateDictOptions(full_state_dict=True, strict=strict)
@@ -263,35 +223,4 @@ class ColossalFSDPStrategy(ColossalStrategy):
         # A plain (single-file) checkpoint brings full tensors; a sharded one DTensors already loaded in place.
         full = any(not isinstance(value, DTensor) and value.dim() > 0 for value in tensors)
         options = StateDictOptions(full_state_dict=full)
-        set_optimizer_state_dict(self.lightning_module, _unwrap_optimizer(optimizer), state, options=options)
-
-
-@torch.no_grad()
-def _point_optimizer_at(
-    optimizer: Optimizer,
-    replaced: Mapping[int, torch.nn.Parameter],
-    known_names: Mapping[int, str],
-    plain_by_name: Mapping[str, torch.nn.Parameter],
-) -> None:
-    """Make ``optimizer`` hold the module's new plain parameters, with its DTensor state gathered whole.
-
-    A parameter is found by identity among the replaced shards, else by its name before sharding (an optimizer of an
-    earlier fit, during a later validate/test/predict run). Gathering is a collective: every rank walks the same
-    parameters in the same order (param groups, then each parameter's state keys sorted).
-    """
-    old_state = optimizer.state
-    new_state: dict[Tensor, dict[str, Any]] = {}
-    for group in optimizer.param_groups:
-        new_parameters = []
-        for parameter in group["params"]:
-            plain = replaced.get(id(parameter))
-            if plain is None and id(parameter) in known_names:
-                plain = plain_by_name.get(known_names[id(parameter)])
-            plain = parameter if plain is None else plain
-            new_parameters.append(plain)
-            entry = old_state.get(parameter)
-            if entry is not None:
-                new_state[plain] = {key: full_tensor(entry[key]) for key in sorted(entry)}
-        group["params"] = new_parameters
-    old_state.clear()
-    old_state.update(new_state)
+        set_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer), state, options=options)

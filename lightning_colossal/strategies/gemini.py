@@ -2,38 +2,27 @@
 
 The model is not wrapped: ``lightning_colossal.gemini.GeminiEngine`` moves the trainable parameters into chunks,
 hooks the modules that own them, and takes over the parameter lists of the optimizer ``configure_optimizers``
-returned. Lightning's loop stays in charge; this adapter tells the engine when an optimizer step happened, hands
-it the precision plugin's clipping, and maps checkpoints onto the engine's name-keyed shards.
+returned. Lightning's loop stays in charge (``EngineStrategy``: the engine hears of every optimizer step, clips, and
+saves the optimizer state by name); this adapter runs the steps under the engine's contexts and maps checkpoints onto
+its name-keyed shards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from datetime import timedelta
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-from lightning.fabric.plugins import ClusterEnvironment
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import (
-    DEFAULT_COLLECTIVE_TIMEOUT,
-    DEFAULT_HEARTBEAT_TIMEOUT,
-    AutoPlacement,
-    GeminiConfig,
-    LossScalerConfig,
-    NonFiniteAction,
-    StartMethod,
-    StaticPlacement,
-)
+from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement
 from lightning_colossal.gemini import GeminiEngine
-from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.model_summary import count_whole_parameters_in_model_summary
 
 
-class GeminiStrategy(ColossalStrategy):
+class GeminiStrategy(EngineStrategy[GeminiEngine]):
     """ZeRO-3 over the data-parallel ranks with parameters, gradients and optimizer state in chunks.
 
     Registered as ``colossal_gemini`` (static placement, all on the compute device), ``colossal_gemini_auto``
@@ -53,6 +42,10 @@ class GeminiStrategy(ColossalStrategy):
     """
 
     materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)
+    manual_optimization_refusal = (
+        "the engine owns when chunks are gathered, reduced and refreshed around the optimizer step"
+    )
+    release_is_collective = True  # restoring whole parameters gathers every chunk
 
     def __init__(
         self,
@@ -64,27 +57,9 @@ class GeminiStrategy(ColossalStrategy):
         max_prefetch: int = 0,
         communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
         init_window_bytes: int = 2**30,
-        process_group_backend: str | None = None,
-        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
-        start_method: StartMethod = "popen",
-        loss_scaler: LossScalerConfig | None = None,
-        heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
-        on_nonfinite: NonFiniteAction | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            loss_scaler=loss_scaler,
-            heartbeat_timeout=heartbeat_timeout,
-            on_nonfinite=on_nonfinite,
-        )
+        super().__init__(**kwargs)
         self.gemini_config = GeminiConfig(
             placement=placement if placement is not None else StaticPlacement(),
             chunk_numel=chunk_numel,
@@ -95,7 +70,6 @@ class GeminiStrategy(ColossalStrategy):
             communication=communication,
             init_window_bytes=init_window_bytes,
         )
-        self.engine: GeminiEngine | None = None
 
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
@@ -106,23 +80,10 @@ class GeminiStrategy(ColossalStrategy):
         ]
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def setup(self, trainer: pl.Trainer) -> None:
-        fitting = self._prepare_module(trainer)
+    def _build_engine(self, trainer: pl.Trainer, optimizer: Optimizer | None) -> GeminiEngine:
+        # Built outside fitting too: chunks hold the model, so validate/test/predict run through the engine.
         assert self.lightning_module is not None
-        if self.engine is not None:
-            self.engine.restore_full_parameters()  # a previous stage's chunks; this stage builds its own
-            self.engine = None
-        optimizer = None
-        if fitting:
-            optimizer = self._setup_single_optimizer(
-                trainer,
-                manual_reason="the engine owns when chunks are gathered, reduced and refreshed around the optimizer"
-                " step",
-                manual_alternatives="`colossal_ddp` / `colossal_fsdp`",
-            )
-        else:
-            self._drop_optimizers_of_earlier_fit()
-        self.engine = GeminiEngine(
+        engine = GeminiEngine(
             self.lightning_module,
             optimizer,
             self.gemini_config,
@@ -130,10 +91,14 @@ class GeminiStrategy(ColossalStrategy):
             self.root_device,
             timeout=self._timeout,
         )
-        self.setup_precision_plugin()
-        self.precision_plugin.gradient_clipper = self.engine
         # Chunked parameters are empty placeholders between gathers; Lightning's summary would count them as 0.
-        count_whole_parameters_in_model_summary(trainer, self.engine.whole_numel)
+        count_whole_parameters_in_model_summary(trainer, engine.whole_numel)
+        return engine
+
+    def _release_engine(self, engine: GeminiEngine) -> None:
+        # Parameters get their whole values back in their own storage (as after any Lightning run); at teardown the
+        # base then moves them to the CPU. Between stages: the earlier stage's chunks go, this stage builds its own.
+        engine.restore_full_parameters()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:
@@ -167,26 +132,6 @@ class GeminiStrategy(ColossalStrategy):
             self.engine.prepare_backward(closure_loss)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Any = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.engine is not None:
-            self.engine.after_step(stepped=not self.precision_plugin.last_step_skipped)
-        return output
-
-    def teardown(self) -> None:
-        # Parameters get their whole values back (as after any Lightning run), then the base moves them to the CPU.
-        # The engine stays: `trainer.save_checkpoint` after `fit` still reads its shards and optimizer state.
-        # Not after a failed run: gathering is a collective that other ranks may never reach.
-        if self.engine is not None and self._failure_being_torn_down() is None:
-            self.engine.restore_full_parameters()
-        super().teardown()
-
     # ---------------------------------------------------------------------------------------------- checkpoints
     def model_state_for_checkpoint(self) -> dict[str, Any]:
         assert self.lightning_module is not None
@@ -218,15 +163,6 @@ class GeminiStrategy(ColossalStrategy):
         chunked = set(self.engine.state_by_name())
         rest = {name: value for name, value in state_dict.items() if name not in chunked}
         self.lightning_module.load_state_dict(rest, strict=False)
-
-    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.engine is None:
-            return super().optimizer_names_and_state(optimizer)
-        return self.engine.optimizer_state_by_name()
-
-    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
-        assert self.engine is not None
-        self.engine.load_optimizer_state_by_name(state)
 
     def full_model_state_dict(self) -> dict[str, Tensor]:
         if self.engine is None:

@@ -4,8 +4,8 @@ Lightning's launcher sends rank 0's ``lightning_module.state_dict()`` back to th
 strategies that dict holds DTensor shards, which the parent (no process group) can neither unpickle nor load.
 Here every rank first joins in gathering the full tensors (a collective), then rank 0 sends plain CPU tensors, with
 the paths of the best and the last checkpoint and each logger's version, so that the notebook's Trainer names what
-the ranks wrote. Lightning's private launcher pieces are imported only in this module, so an upstream move breaks
-one file.
+the ranks wrote. Lightning's private launcher pieces come from ``_lightning_private.py``, like every private
+Lightning name the package uses.
 
 [Note: OpenMP threads and fork]
 PyTorch's CPU build uses GNU OpenMP, whose thread pool does not survive ``fork``: once the parent process has run a
@@ -25,9 +25,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_colossal.strategies._lightning_private import _MultiProcessingLauncher, _WorkerOutput
 
 
 class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -7,9 +7,17 @@ fp32 masters in one flat buffer on the offload device. After each optimizer step
 and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
 
 [Note: parameter exchange per backend]
-After a step each rank owns fresh rows of every parameter. NCCL all-gathers a rank-major buffer. On gloo an
-all-gather costs ~3x an all-reduce of the same bytes, so each rank writes its rows into a zeroed full-size buffer
-and all-reduces it: since the owned rows partition the parameter, the sum is exactly the gathered tensor.
+After a step each rank owns fresh rows of every parameter. NCCL all-gathers a rank-major buffer. On gloo each rank
+writes its rows into a zeroed full-size buffer and all-reduces it: since the owned rows partition the parameter, the
+sum is exactly the gathered tensor ([Note: all-reduce on gloo] in ``distributed/collectives.py``).
+
+[Note: masters or parameters in checkpoints]
+A checkpoint holds the fp32 masters instead of the parameters exactly when some trainable parameter is not fp32
+(``checkpoints_hold_masters``): the masters are then the only unrounded copy of the weights (ColossalAI saves only
+the rounded parameters). With fp32 parameters the masters hold the same values, also when ``cpu_offload`` keeps them
+in a separate buffer, so the parameters are saved. Loading resynchronises the other copy from the one that was
+loaded (``resync_after_model_state_loaded``). The ZeRO strategy and hybrid parallelism with ZeRO both go through
+these methods.
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
-from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
 from lightning_colossal.distributed.sharded_state import ShardedMaster
+from lightning_colossal.distributed.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
 from lightning_colossal.zero.layout import shard_spec
-from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter
+from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
+from lightning_colossal.zero.stages import Stage1Reducer, Stage2Reducer
 
 
 class ZeroMemoryReport(NamedTuple):
@@ -76,7 +86,7 @@ class ZeroEngine:
         self.compute_device = compute_device
         self.offload_device = torch.device("cpu") if config.cpu_offload else compute_device
         _validate_optimizer(optimizer, config)
-        self.members = self._members()
+        self.members = self._members(optimizer_takeover.held_parameters(optimizer, module))
         self._broadcast_parameters()
         self.masters_alias_parameters = not config.cpu_offload and all(
             member.parameter.dtype == torch.float32 for member in self.members
@@ -88,48 +98,44 @@ class ZeroEngine:
         self.masters = [
             self._master_view(offset, member) for offset, member in zip(offsets[:-1], self.members, strict=True)
         ]
-        self._replace_optimizer_parameters()
-        bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
-        if config.communication == "auto":
-            # See [Note: parameter exchange per backend]; reducer.py's [Note: collective per backend] for gradients.
-            self.use_scatter_gather = collectives.backend(self.process_group) not in ("gloo", "none")
-        else:
-            self.use_scatter_gather = config.communication == "scatter_gather"
-        self.reducer = GradientReducer(
-            self.members,
-            stage=config.stage,
-            process_group=self.process_group,
-            bucket_numel=bucket_numel,
-            overlap=config.overlap_communication,
-            accumulate_locally=config.stage2_accumulation == "local",
-            use_reduce_scatter=self.use_scatter_gather,
-            device=compute_device,
-            on_finished=self._attach_master_gradients,
-        )
+        master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
+        optimizer_takeover.swap_parameters(optimizer, master_of)
+        # See [Note: parameter exchange per backend]; stages.py's [Note: ZeRO-2 reduction per backend] for gradients.
+        self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
+        self.reducer = self._build_reducer()
         self.sharded_masters = [
             ShardedMaster(member.name, member.spec, master)
             for member, master in zip(self.members, self.masters, strict=True)
         ]
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _members(self) -> list[ReducedParameter]:
-        in_optimizer = {id(parameter) for group in self.optimizer.param_groups for parameter in group["params"]}
-        members = []
-        for name, parameter in self.module.named_parameters():
-            if id(parameter) in in_optimizer and parameter.requires_grad:
-                members.append(
-                    ReducedParameter(name, parameter, shard_spec(parameter.shape, self.world_size, self.rank))
-                )
-        # Frozen parameters in the optimizer are fine (users often pass `self.parameters()` for a LoRA model): they
-        # get no master, gradient slot or state, and `_replace_optimizer_parameters` drops them from the groups.
-        known = {id(parameter) for parameter in self.module.parameters()}
-        strangers = len(in_optimizer - known)
-        if strangers:
-            raise ValueError(
-                f"The optimizer holds {strangers} tensor(s) that are not parameters of the model: build it"
-                " in `configure_optimizers` from `self.parameters()` (or named subsets of them)."
-            )
-        return members
+    def _members(self, in_optimizer: set[int]) -> list[ReducedParameter]:
+        # Frozen parameters in the optimizer get no master, gradient slot or state (optimizer_takeover.py [Note:
+        # optimizer takeover]).
+        return [
+            ReducedParameter(name, parameter, shard_spec(parameter.shape, self.world_size, self.rank))
+            for name, parameter in self.module.named_parameters()
+            if id(parameter) in in_optimizer and parameter.requires_grad
+        ]
+
+    def _build_reducer(self) -> GradientReducer:
+        """The reducer of the configured stage (the one place the stage is looked at)."""
+        config = self.config
+        setup = ReducerSetup(
+            process_group=self.process_group,
+            bucket_numel=max(1, int(config.bucket_size_mb * 2**20 / 4)),
+            overlap=config.overlap_communication,
+            device=self.compute_device,
+            on_finished=self._attach_master_gradients,
+        )
+        if config.stage == 1:
+            return Stage1Reducer(self.members, setup)
+        return Stage2Reducer(
+            self.members,
+            setup,
+            accumulate_locally=config.stage2_accumulation == "local",
+            use_reduce_scatter=self.use_scatter_gather,
+        )
 
     def _broadcast_parameters(self) -> None:
         # Replicas must start identical, as DDP guarantees at wrap time: frozen weights too (a LoRA base), which no
@@ -155,17 +161,6 @@ class ZeroEngine:
         master.copy_(owned)
         return master
 
-    def _replace_optimizer_parameters(self) -> None:
-        if self.optimizer.state:
-            raise ValueError(
-                "The optimizer already has state (it stepped before the strategy set it up): return a fresh optimizer"
-                " from `configure_optimizers`."
-            )
-        master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
-        for group in self.optimizer.param_groups:
-            # A frozen parameter never has a gradient to step, so it holds no place (and no state) in the optimizer.
-            group["params"] = [master_of[id(parameter)] for parameter in group["params"] if id(parameter) in master_of]
-
     # ---------------------------------------------------------------------------------------------- step
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -178,10 +173,8 @@ class ZeroEngine:
 
     def _attach_master_gradients(self) -> None:
         """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows; masters
-        of parameters that no rank gave a gradient get none (reducer.py [Note: gradients nobody produced])."""
-        received_anywhere = self.reducer.received.clone()
-        collectives.all_reduce(received_anywhere, op="max", group=self.process_group)
-        received = received_anywhere.bool().tolist()
+        of parameters that no rank gave a gradient get none (sharded_state.py [Note: gradients nobody produced])."""
+        received = sharded_state.received_on_any_rank(self.reducer.received, self.process_group)
         offset = 0
         for member, master, member_received in zip(self.members, self.masters, received, strict=True):
             if not member_received:
@@ -237,21 +230,11 @@ class ZeroEngine:
         full = buffer[:total].zero_()
         offset = 0
         for member in bucket.members:
-            parameter, spec = member.parameter.data, member.spec
-            region = full[offset : offset + parameter.numel()]
-            if spec.replicated:
-                if self.rank == 0:  # identical everywhere; one copy in the sum
-                    region.copy_(parameter.reshape(-1))
-            elif spec.local_numel:
-                start = spec.row_start * spec.row_numel
-                region[start : start + spec.local_numel].copy_(parameter.reshape(-1)[start : start + spec.local_numel])
-            offset += parameter.numel()
+            numel = member.parameter.numel()
+            own_rows_into_whole(_owned_rows(member.parameter.data, member), member.spec, full[offset : offset + numel])
+            offset += numel
         collectives.all_reduce(full, op="sum", group=self.process_group)
-        offset = 0
-        for member in bucket.members:
-            parameter = member.parameter.data
-            parameter.copy_(full[offset : offset + parameter.numel()].view_as(parameter))
-            offset += parameter.numel()
+        copy_out_of_flat(full, [member.parameter.data for member in bucket.members])
         if pooled:
             self.reducer.release(buffer)
 
@@ -270,16 +253,10 @@ class ZeroEngine:
         slots = gathered.view(self.world_size, slot)
         offset = 0
         for member in members:
-            spec, parameter = member.spec, member.parameter.data
-            if not spec.replicated:
-                rows = parameter.view(spec.num_rows, spec.row_numel)
-                for rank in range(self.world_size):
-                    start, end = spec.rows_of(rank)
-                    if end > start:
-                        rows[start:end].copy_(
-                            slots[rank, offset : offset + (end - start) * spec.row_numel].view(end - start, -1)
-                        )
-            offset += spec.slot_numel
+            # A replicated parameter keeps its own value: every rank stepped it from the same averaged gradient.
+            if not member.spec.replicated:
+                rows_from_slots(slots, offset, member.spec, member.parameter.data.view(-1))
+            offset += member.spec.slot_numel
         self.reducer.release(send)
         self.reducer.release(gathered)
 
@@ -301,7 +278,7 @@ class ZeroEngine:
 
         parameters = list(self.module.parameters())
         gradient_bytes = self.reducer.persistent_gradient_bytes() + nbytes(self.master_gradient_buffer)
-        # Reusable communication buffers: a few buckets, whatever the model size (reducer [Note: bounded staging]).
+        # Reusable communication buffers: a few buckets, whatever the model size (stages.py [Note: bounded staging]).
         bucket_bytes = self.reducer.pooled_bytes()
         state_bytes = sum(
             nbytes(value)
@@ -319,6 +296,27 @@ class ZeroEngine:
         )
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def checkpoints_hold_masters(self) -> bool:
+        """Whether checkpoints hold the fp32 masters rather than the parameters ([Note: masters or parameters in
+        checkpoints])."""
+        return any(member.parameter.dtype != torch.float32 for member in self.members)
+
+    def with_precise_masters(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """``model_state`` (tensors by parameter name) with the fp32 masters in place of rounded parameters, when
+        checkpoints hold masters."""
+        if self.checkpoints_hold_masters:
+            model_state.update(self.masters_by_name())
+        return model_state
+
+    def resync_after_model_state_loaded(self) -> None:
+        """After a checkpoint filled the tensors ``with_precise_masters`` named: copy what was loaded into the other
+        copy of the weights (masters into parameters, or parameters into masters)."""
+        if self.checkpoints_hold_masters:
+            self.masters_to_parameters()
+        else:
+            self.parameters_to_masters()
+
     def masters_by_name(self) -> dict[str, Tensor]:
         """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
         return {entry.name: self._described(entry, entry.master) for entry in self.sharded_masters}
@@ -372,17 +370,8 @@ def _owned_rows(tensor: Tensor, member: ReducedParameter) -> Tensor:
 
 
 def _validate_optimizer(optimizer: Optimizer, config: ZeroConfig) -> None:
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"ZeRO shards a torch.optim.Optimizer; got {type(optimizer).__name__}.")
+    optimizer_takeover.check_optimizer(optimizer, "ZeRO")
     if config.cpu_offload:
-        for group in optimizer.param_groups:
-            if group.get("capturable"):
-                raise ValueError(
-                    f"{type(optimizer).__name__}(capturable=True) steps only on an accelerator, but cpu_offload=True"
-                    " steps the optimizer on the CPU: drop capturable=True or turn cpu_offload off."
-                )
-            if group.get("fused") and type(optimizer).__name__ not in ("Adam", "AdamW", "SGD", "Adagrad"):
-                raise ValueError(
-                    f"{type(optimizer).__name__}(fused=True) has no CPU kernel but cpu_offload=True steps on the CPU:"
-                    " use foreach (the default) or turn cpu_offload off."
-                )
+        optimizer_takeover.refuse_accelerator_only_options(
+            optimizer, cpu_steps="cpu_offload=True steps the optimizer on the CPU", fix=" or turn cpu_offload off"
+        )

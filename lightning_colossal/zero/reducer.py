@@ -1,34 +1,18 @@
 """Gradient reduction for ZeRO-1/2: buckets launched from post-accumulate-grad hooks while backward runs.
 
+This module holds what both stages share: the buckets, the order they launch in, the hooks, the record of which
+parameters got a gradient, and a pool of communication buffers. Where gradients live and how a bucket is reduced
+is the stage's: ``stages.py`` (``Stage1Reducer``, ``Stage2Reducer``), chosen once by the engine.
+
 [Note: bucket order]
 Collectives are matched by call order, so every rank must launch buckets in the same order. A bucket launches
 when all its parameters have their gradient *and* every earlier bucket has launched; the rest launch, in order,
 from a callback queued at the end of backward. A parameter that got no gradient on some rank (unused branch) just
 delays its bucket to that callback instead of hanging or mismatching: its slot holds zeros.
 
-[Note: gradients nobody produced]
-A zero slot is the right contribution of a rank that did not use a parameter, but a parameter no rank used has no
-gradient at all in single-process torch (``grad is None``), and optimizers skip it: no weight decay, no momentum,
-no Adam step count. The reducer therefore records which parameters received a gradient on this rank since the last
-optimizer step (``received``, also inside ``no_sync``); the engine combines the records of all ranks (one small
-all-reduce per reduction) and gives such parameters' masters no gradient.
-
-[Note: collective per backend]
-Stage 2 needs each rank to end with the sum of its own rows. NCCL's reduce-scatter does exactly that for half
-the traffic of an all-reduce. gloo's reduce-scatter and all-gather cost ~3x an all-reduce of the same bytes on
-CPU (measured in benchmarks/RESULTS.md, ZeRO section), so on gloo the bucket is all-reduced and each rank keeps its slot: same result, less time.
-
-Stage 1 keeps full-size gradients (parameters' ``.grad`` are views into one buffer per bucket) and all-reduces
-them, communicating only on the last micro-batch of an accumulation. Stage 2 copies each gradient into a
-rank-major staging buffer as soon as autograd produced it, frees it, and adds the reduced slot into a persistent
-fp32 accumulator of this rank's rows only.
-
-[Note: bounded staging]
-Stage 2's staging buffers come from a small pool and go back to it once their bucket is reduced; at most
-``MAX_STAGE2_BUCKETS_IN_FLIGHT`` buckets wait on the network at once (launching another retires the oldest).
-So stage 2 holds a few buckets of staging memory, independent of the model size, and allocates nothing per step:
-on CPU a fresh zeroed buffer of the model's size costs page faults every step, measurably more than the
-communication it feeds.
+Which parameters received a gradient on this rank since the last optimizer step is recorded in ``received`` (also
+inside ``no_sync``); the engine combines the records of all ranks (``distributed/sharded_state.py`` [Note:
+gradients nobody produced]).
 """
 
 from __future__ import annotations
@@ -38,12 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 from torch.distributed import ProcessGroup, Work
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.zero.layout import ShardSpec, plan_buckets
-
-MAX_STAGE2_BUCKETS_IN_FLIGHT = 2
 
 
 @dataclass
@@ -63,139 +46,131 @@ class Bucket:
     members: list[ReducedParameter]
     dtype: torch.dtype
     numel: int  # stage 1: full gradients; stage 2: one rank's slot
-    gradients: torch.Tensor | None = None  # stage 1 persistent buffer, stage 2 staging buffer (transient)
+    gradients: Tensor | None = None  # stage 1 persistent buffer, stage 2 staging buffer (transient)
     pending: int = 0
     work: Work | None = None
-    received: torch.Tensor | None = None  # stage 2 with reduce-scatter: this rank's reduced slot
+    own_slot: Tensor | None = None  # stage 2, while in flight: where this rank's slot of the sum arrives
+
+
+@dataclass(frozen=True)
+class ReducerSetup:
+    """What every reducer is built with, whatever its stage."""
+
+    process_group: ProcessGroup | None  # the data-parallel ranks
+    bucket_numel: int  # a bucket closes once it holds this many elements
+    overlap: bool  # launch buckets from the hooks while backward runs (else all at its end)
+    device: torch.device  # where gradient buffers live
+    on_finished: Callable[[], None]  # called at the end of each reduction (the engine attaches master gradients)
 
 
 class GradientReducer:
-    """Averages gradients over data-parallel ranks, bucket by bucket (see the Notes above)."""
+    """Averages gradients over data-parallel ranks, bucket by bucket (see the Notes above); a stage type fills in
+    where gradients live and how a bucket is reduced."""
 
-    def __init__(
-        self,
-        members: list[ReducedParameter],
-        stage: int,
-        process_group: ProcessGroup | None,
-        bucket_numel: int,
-        overlap: bool,
-        accumulate_locally: bool,
-        use_reduce_scatter: bool,
-        device: torch.device,
-        on_finished: Callable[[], None],
-    ) -> None:
-        self.stage = stage
-        self.on_finished = on_finished
-        self.process_group = process_group
-        self.world_size = collectives.world_size(process_group)
-        self.rank = collectives.rank(process_group)
-        self.overlap = overlap
-        self.accumulate_locally = accumulate_locally
-        self.use_reduce_scatter = use_reduce_scatter
-        self.device = device
+    #: Buckets waiting on the network at once before launching another retires the oldest (``None``: unbounded).
+    max_in_flight: int | None = None
+
+    def __init__(self, members: list[ReducedParameter], setup: ReducerSetup) -> None:
+        self.on_finished = setup.on_finished
+        self.process_group = setup.process_group
+        self.world_size = collectives.world_size(setup.process_group)
+        self.overlap = setup.overlap
+        self.device = setup.device
+        bucket_numel = setup.bucket_numel
         # Backward produces gradients roughly in reverse registration order; buckets follow it to fill early.
         ordered = list(reversed(members))
         self.buckets: list[Bucket] = []
         for dtype in dict.fromkeys(member.parameter.dtype for member in ordered):
             same_dtype = [member for member in ordered if member.parameter.dtype == dtype]
-            sizes = [self._bucket_numel_of(member) for member in same_dtype]
+            sizes = [self.bucket_numel_of(member) for member in same_dtype]
             for indices in plan_buckets(sizes, bucket_numel):
                 self._add_bucket([same_dtype[index] for index in indices], dtype)
-        self.accumulator = self._allocate_accumulator(members) if stage == 2 else None
-        self._pool: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._pool: dict[tuple[torch.dtype, int], list[Tensor]] = {}
         self._in_flight: deque[Bucket] = deque()
         self.blocked = False  # inside Lightning's block_backward_sync() on a non-final micro-batch
         self._callback_queued = False
         self._next_to_launch = 0
         self._hooks = [member.parameter.register_post_accumulate_grad_hook(self._on_gradient) for member in members]
         self._member_of = {id(member.parameter): member for member in members}
-        # See [Note: gradients nobody produced]; one flag per member, in ``members`` order.
+        # One flag per member, in ``members`` order (sharded_state.py [Note: gradients nobody produced]).
         self._position_of = {id(member.parameter): position for position, member in enumerate(members)}
-        self.received = torch.zeros(len(members), dtype=torch.float32, device=device)
+        self.received = torch.zeros(len(members), dtype=torch.float32, device=self.device)
+
+    # ---------------------------------------------------------------------------------------------- stage specifics
+    def bucket_numel_of(self, member: ReducedParameter) -> int:
+        """Elements ``member`` takes in its bucket."""
+        raise NotImplementedError
+
+    def _prepare_bucket(self, bucket: Bucket) -> None:
+        """A bucket was just laid out (its members know their offsets)."""
+
+    def owned_gradient(self, member: ReducedParameter) -> Tensor:
+        """This rank's reduced gradient rows of ``member`` (valid after ``finish`` ran for this backward)."""
+        raise NotImplementedError
+
+    def persistent_gradient_bytes(self) -> int:
+        """Bytes of gradient storage kept between steps."""
+        raise NotImplementedError
+
+    def _zero_own_gradients(self) -> None:
+        raise NotImplementedError
+
+    def _communicates_now(self) -> bool:
+        """Whether a gradient produced now is reduced in this backward (or left to accumulate locally)."""
+        raise NotImplementedError
+
+    def _take_gradient(self, member: ReducedParameter, bucket: Bucket) -> None:
+        """``member``'s gradient for this backward is ready in ``.grad``: put it where the bucket reduces it."""
+        raise NotImplementedError
+
+    def _start_reduction(self, bucket: Bucket) -> Work | None:
+        """Launch the bucket's collective; returns its handle (``None`` when nothing was sent)."""
+        raise NotImplementedError
+
+    def _complete(self, bucket: Bucket) -> None:
+        """The bucket's collective finished: average it into the reduced gradients."""
+        raise NotImplementedError
+
+    def _after_backward(self) -> None:
+        """Every bucket of this backward completed."""
+
+    def flush(self) -> None:
+        """Reduce now what backward passes run under ``blocked`` accumulated, then finish as backward would."""
+        raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------------- layout
-    def _bucket_numel_of(self, member: ReducedParameter) -> int:
-        return member.parameter.numel() if self.stage == 1 else member.spec.slot_numel
-
     def _add_bucket(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
         index = len(self.buckets)
         offset = 0
         for member in members:
             member.bucket_index = index
             member.bucket_offset = offset
-            offset += self._bucket_numel_of(member)
+            offset += self.bucket_numel_of(member)
         bucket = Bucket(members=members, dtype=dtype, numel=offset)
-        if self.stage == 1:
-            # Persistent: parameters' .grad are views into it, so autograd accumulates straight into the buffer.
-            bucket.gradients = torch.zeros(offset, dtype=dtype, device=self.device)
-            for member in members:
-                parameter = member.parameter
-                view = bucket.gradients[member.bucket_offset : member.bucket_offset + parameter.numel()]
-                parameter.grad = view.view_as(parameter)
+        self._prepare_bucket(bucket)
         bucket.pending = len(members)
         self.buckets.append(bucket)
 
-    def _allocate_accumulator(self, members: list[ReducedParameter]) -> torch.Tensor:
-        offset = 0
-        for member in members:
-            member.accumulator_offset = offset
-            offset += member.spec.local_numel
-        return torch.zeros(offset, dtype=torch.float32, device=self.device)
-
-    # ---------------------------------------------------------------------------------------------- views
-    def owned_gradient(self, member: ReducedParameter) -> torch.Tensor:
-        """This rank's reduced gradient rows of ``member`` (valid after ``finish`` ran for this backward)."""
-        spec = member.spec
-        if self.stage == 1:
-            gradient = self._bucket_view(member)
-            if spec.replicated:
-                return gradient
-            return gradient[spec.row_start : spec.row_end]
-        assert self.accumulator is not None
-        flat = self.accumulator[member.accumulator_offset : member.accumulator_offset + spec.local_numel]
-        return flat.view(spec.local_shape)
-
-    def acquire(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    # ---------------------------------------------------------------------------------------------- buffers
+    def acquire(self, dtype: torch.dtype, numel: int) -> Tensor:
         """A buffer from the pool (uninitialised); give it back with ``release``."""
         free = self._pool.setdefault((dtype, numel), [])
         return free.pop() if free else torch.empty(numel, dtype=dtype, device=self.device)
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: Tensor) -> None:
         self._pool[(buffer.dtype, buffer.numel())].append(buffer)
 
     def pooled_bytes(self) -> int:
-        """Bytes of the reusable communication buffers (a few buckets, see [Note: bounded staging])."""
+        """Bytes of the reusable communication buffers (a few buckets, see stages.py [Note: bounded staging])."""
         return sum(buffer.numel() * buffer.element_size() for free in self._pool.values() for buffer in free)
-
-    def persistent_gradient_bytes(self) -> int:
-        if self.stage == 1:
-            return sum(
-                bucket.gradients.numel() * bucket.gradients.element_size()
-                for bucket in self.buckets
-                if bucket.gradients is not None
-            )
-        assert self.accumulator is not None
-        return self.accumulator.numel() * self.accumulator.element_size()
 
     def zero_gradients(self) -> None:
         """Start a new optimizer step: clear the reduced gradients (and stage 1's full gradients)."""
         self.received.zero_()
-        if self.stage == 1:
-            for bucket in self.buckets:
-                assert bucket.gradients is not None
-                bucket.gradients.zero_()
-        else:
-            assert self.accumulator is not None
-            self.accumulator.zero_()
-            for member in self._member_of.values():
-                member.parameter.grad = None
+        self._zero_own_gradients()
 
     # ---------------------------------------------------------------------------------------------- backward
-    def _communicates_now(self) -> bool:
-        # Stage 1 and stage 2 with local accumulation skip non-final micro-batches; stage 2 "sharded" reduces them.
-        return not self.blocked or (self.stage == 2 and not self.accumulate_locally)
-
-    def _on_gradient(self, parameter: torch.Tensor) -> None:
+    def _on_gradient(self, parameter: Tensor) -> None:
         self.received[self._position_of[id(parameter)]] = 1.0
         if not self._communicates_now():
             return
@@ -204,52 +179,10 @@ class GradientReducer:
             self._callback_queued = True
         member = self._member_of[id(parameter)]
         bucket = self.buckets[member.bucket_index]
-        if self.stage == 2:
-            self._stage_gradient(member, bucket)
-        else:
-            self._keep_in_bucket(member, bucket)
+        self._take_gradient(member, bucket)
         bucket.pending -= 1
         if self.overlap:
             self._launch_ready_buckets()
-
-    def _bucket_view(self, member: ReducedParameter) -> torch.Tensor:
-        """Stage 1: the slice of the bucket buffer holding ``member``'s full gradient."""
-        bucket = self.buckets[member.bucket_index]
-        assert bucket.gradients is not None
-        parameter = member.parameter
-        return bucket.gradients[member.bucket_offset : member.bucket_offset + parameter.numel()].view_as(parameter)
-
-    def _keep_in_bucket(self, member: ReducedParameter, bucket: Bucket) -> None:
-        """Stage 1: if something replaced ``.grad`` (e.g. ``zero_grad(set_to_none=True)`` on the module), put it back."""
-        parameter = member.parameter
-        assert parameter.grad is not None
-        view = self._bucket_view(member)
-        if parameter.grad.data_ptr() != view.data_ptr():
-            view.copy_(parameter.grad)
-            parameter.grad = view
-
-    def _stage_gradient(self, member: ReducedParameter, bucket: Bucket) -> None:
-        """Copy a fresh gradient into every rank's slot of the staging buffer, then free it."""
-        parameter = member.parameter
-        gradient = parameter.grad
-        assert gradient is not None
-        if bucket.gradients is None:
-            bucket.gradients = self.acquire(bucket.dtype, self.world_size * bucket.numel).zero_()
-        spec = member.spec
-        slots = bucket.gradients.view(self.world_size, bucket.numel)
-        if spec.replicated:
-            # Every rank owns a zero-dimensional parameter: each slot receives the value.
-            slots[:, member.bucket_offset].copy_(gradient.reshape(()).expand(self.world_size))
-        else:
-            rows = gradient.view(spec.num_rows, spec.row_numel)
-            for rank in range(self.world_size):
-                start, end = spec.rows_of(rank)
-                if end > start:
-                    destination = slots[
-                        rank, member.bucket_offset : member.bucket_offset + (end - start) * spec.row_numel
-                    ]
-                    destination.copy_(rows[start:end].reshape(-1))
-        parameter.grad = None
 
     def _launch_ready_buckets(self, force: bool = False) -> None:
         while self._next_to_launch < len(self.buckets):
@@ -260,16 +193,10 @@ class GradientReducer:
             self._next_to_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if bucket.gradients is None:  # stage 2, no member got a gradient on this rank
-            bucket.gradients = self.acquire(bucket.dtype, self.world_size * bucket.numel).zero_()
-        if self.stage == 2 and self.use_reduce_scatter:
-            bucket.received = self.acquire(bucket.dtype, bucket.numel)
-            bucket.work = collectives.reduce_scatter_async(bucket.received, bucket.gradients, self.process_group)
-        else:
-            bucket.work = collectives.all_reduce_async(bucket.gradients, self.process_group)
+        bucket.work = self._start_reduction(bucket)
         self._in_flight.append(bucket)
-        if self.stage == 2:
-            while len(self._in_flight) > MAX_STAGE2_BUCKETS_IN_FLIGHT:
+        if self.max_in_flight is not None:
+            while len(self._in_flight) > self.max_in_flight:
                 self._retire(self._in_flight.popleft())
 
     def _retire(self, bucket: Bucket) -> None:
@@ -285,45 +212,10 @@ class GradientReducer:
             self._retire(self._in_flight.popleft())
         for bucket in self.buckets:
             bucket.pending = len(bucket.members)
-            if self.stage == 1:
-                for member in bucket.members:
-                    # Parameters without a gradient this step never passed the hook; point them at their slot too.
-                    member.parameter.grad = self._bucket_view(member)
+        self._after_backward()
         self._next_to_launch = 0
         self._callback_queued = False
         self.on_finished()
-
-    def flush(self) -> None:
-        """Reduce now what backward passes run under ``blocked`` accumulated (stage 1), then finish as backward would."""
-        assert self.stage == 1, "stage 2 reduces during backward; it never holds unreduced full gradients"
-        for bucket in self.buckets:
-            for member in bucket.members:
-                if member.parameter.grad is not None:
-                    self._keep_in_bucket(member, bucket)
-        self.finish()
-
-    def _complete(self, bucket: Bucket) -> None:
-        assert bucket.gradients is not None
-        if self.stage == 1:
-            bucket.gradients.div_(self.world_size)
-            return
-        assert self.accumulator is not None
-        if bucket.received is not None:
-            own_slot = bucket.received
-        else:
-            own_slot = bucket.gradients.view(self.world_size, bucket.numel)[self.rank]
-        for member in bucket.members:
-            numel = member.spec.local_numel
-            if numel == 0:
-                continue
-            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
-            target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0 / self.world_size)
-        # Staging goes back to the pool: stage 2 keeps only this rank's rows between backward passes.
-        self.release(bucket.gradients)
-        if bucket.received is not None:
-            self.release(bucket.received)
-        bucket.gradients = None
-        bucket.received = None
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

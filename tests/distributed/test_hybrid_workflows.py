@@ -6,6 +6,7 @@
 - What the user sees is plain tensors: ``self.log`` values in the trainer's metrics, step outputs, predictions.
 - After ``fit``/``validate``/``test``/``predict`` the module keeps its parallel form (docs/hybrid.md, "What you get
   back"), holds no ``DTensor``, and ``strategy.full_model_state_dict()`` gives the whole model's weights.
+- A second ``fit`` of the same Trainer under ZeRO replaces the first fit's ZeRO engine and its gradient hooks.
 
 One epoch is 4 optimizer steps (32 samples, 8 per step at data-parallel size 1).
 """
@@ -227,3 +228,52 @@ def test_metrics_outputs_predictions_and_weights_after_fit_are_plain(rank_pool_2
         _assert_weights(result["full weights"], reference["weights"], f"rank {rank} full_model_state_dict")
         for got, expected in zip(result["predictions"], expected_predictions, strict=True):
             torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def _gradient_hook_counts(module: torch.nn.Module) -> list[int]:
+    return [len(getattr(parameter, "_post_accumulate_grad_hooks", None) or {}) for parameter in module.parameters()]
+
+
+def second_fit_body(strategy_name: str) -> dict[str, Any]:
+    """Two fits of the tiny GPT with the same Trainer (2 steps, then 2 more), each with a fresh optimizer; the ZeRO
+    gradient hooks on the parameters while each fit trains, and after the run."""
+    from lightning.pytorch import Callback
+
+    from lightning_colossal import ColossalDDPStrategy, HybridParallelStrategy
+
+    class CountHooks(Callback):
+        def __init__(self) -> None:
+            self.counts: list[list[int]] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_index: int) -> None:
+            self.counts.append(_gradient_hook_counts(module))
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = bodies.TinyGPTModule(num_layers=2)
+    strategy: Any = HybridParallelStrategy(zero_stage=1) if strategy_name == "hybrid" else ColossalDDPStrategy()
+    counter = CountHooks()
+    trainer = quiet_trainer(
+        strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2, callbacks=[counter]
+    )
+    trainer.fit(module)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(module)
+    assert trainer.global_step == 4
+    return {
+        "hooks during fits": counter.counts,
+        "hooks after": _gradient_hook_counts(module),
+        "weights": bodies.full_weights(module, strategy),
+    }
+
+
+def test_second_fit_under_hybrid_zero_replaces_the_first_fits_gradient_hooks(rank_pool_2):
+    """A second ``fit`` of the same Trainer gives ZeRO a new optimizer: the first fit's ZeRO engine must not keep
+    reducing every gradient from its hooks (each parameter has one ZeRO hook while a fit trains, none after it), and
+    the two fits train as ``colossal_ddp`` does."""
+    reference = rank_pool_2.run(second_fit_body, "ddp", timeout=300)[0]["weights"]
+    for result in rank_pool_2.run(second_fit_body, "hybrid", timeout=300):
+        assert result["hooks during fits"] and all(set(counts) == {1} for counts in result["hooks during fits"]), (
+            result["hooks during fits"]
+        )
+        assert set(result["hooks after"]) == {0}
+        _assert_weights(result["weights"], reference, "hybrid zero1 after two fits")

@@ -47,7 +47,7 @@ BUGS = [
         "ZeRO-2 sums the reduced gradient shards instead of averaging them",
         (
             (
-                "lightning_colossal/zero/reducer.py",
+                "lightning_colossal/zero/stages.py",
                 "target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0 / self.world_size)",
                 "target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0)",
             ),
@@ -57,7 +57,7 @@ BUGS = [
     Bug(
         "zero1-sum",
         "ZeRO-1 sums the all-reduced gradient buckets instead of averaging them",
-        (("lightning_colossal/zero/reducer.py", "bucket.gradients.div_(self.world_size)", "bucket.gradients.div_(1)"),),
+        (("lightning_colossal/zero/stages.py", "bucket.gradients.div_(self.world_size)", "bucket.gradients.div_(1)"),),
         (f"{DIST}/test_zero_oracle.py", NEW_SCALE),
     ),
     Bug(
@@ -139,7 +139,7 @@ BUGS = [
         "resume restores rank 0's random state on every rank",
         (
             (
-                "lightning_colossal/strategies/base.py",
+                "lightning_colossal/strategies/checkpointing.py",
                 "        own_rng = rng_key(self.global_rank)",
                 "        own_rng = rng_key(0)",
             ),
@@ -151,7 +151,7 @@ BUGS = [
         "resume reads the optimizer state into a copy and never applies it",
         (
             (
-                "lightning_colossal/strategies/base.py",
+                "lightning_colossal/strategies/checkpointing.py",
                 "                tensor_state[optimizer_key(index)] = self.optimizer_names_and_state(optimizer)",
                 "                tensor_state[optimizer_key(index)] = __import__('copy').deepcopy("
                 "self.optimizer_names_and_state(optimizer))",

@@ -1,5 +1,6 @@
 """The consolidate command line: outputs, renaming, and errors that name the fix."""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,41 @@ def test_file_copied_without_its_shards_still_gives_its_weights(sharded_checkpoi
     torch.testing.assert_close(torch.load(output, weights_only=True), WEIGHTS)
     assert main([str(sharded_checkpoint), str(tmp_path / "full.ckpt")]) == 2
     assert "copy that directory next to the file" in capsys.readouterr().err
+
+
+def test_a_failed_write_keeps_the_previous_output_and_leaves_no_temporary(sharded_checkpoint, tmp_path, monkeypatch):
+    # The package exports the function under the module's name: take the module itself.
+    consolidate_module = importlib.import_module("lightning_colossal.checkpoint.consolidate")
+
+    output = tmp_path / "full.ckpt"
+    output.write_bytes(b"previous")
+
+    def dying_save(contents, path):
+        Path(path).write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(consolidate_module.torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        consolidate_module.consolidate(sharded_checkpoint, output)
+    assert output.read_bytes() == b"previous"
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name.startswith(".full.ckpt")) == []
+
+
+def test_the_output_is_streamed_to_disk_not_built_in_memory_first(sharded_checkpoint, tmp_path, monkeypatch):
+    # The package exports the function under the module's name: take the module itself.
+    consolidate_module = importlib.import_module("lightning_colossal.checkpoint.consolidate")
+
+    targets = []
+    real_save = torch.save
+
+    def recording_save(contents, target):
+        targets.append(target)
+        real_save(contents, target)
+
+    monkeypatch.setattr(consolidate_module.torch, "save", recording_save)
+    output = tmp_path / "full.ckpt"
+    consolidate_module.consolidate(sharded_checkpoint, output)
+    # torch.save went straight to a file next to the output (one copy of the weights in memory), never to a buffer.
+    assert len(targets) == 1 and isinstance(targets[0], Path) and targets[0].parent == output.parent
+    assert not targets[0].exists(), "the temporary file was renamed onto the output"
+    assert torch.load(output, weights_only=False)["global_step"] == 3

@@ -10,9 +10,10 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_colossal  # noqa: F401  (registers the strategy names)
-from lightning_colossal.config import HybridConfig
+from lightning_colossal.config import HybridConfig, PipelineConfig
 from lightning_colossal.distributed.mesh import ParallelDims
-from lightning_colossal.parallel.pipeline import microbatch_count, split_layers, stages_of_rank
+from lightning_colossal.parallel.batches import map_tensors, microbatch_count, pipeline_inputs, split_sequence
+from lightning_colossal.parallel.stages import split_layers, stage_holders, stages_of_rank
 from lightning_colossal.parallel.tensor_parallel import TensorParallelPlacement, shard_of
 from lightning_colossal.strategies.hybrid import HybridParallelStrategy
 
@@ -97,6 +98,19 @@ def test_zbv_puts_the_last_stage_next_to_the_first():
         assert stages_of_rank(0, pp_size, 2, "zbv") == [0, 2 * pp_size - 1]
 
 
+@pytest.mark.parametrize(
+    "schedule, num_model_chunks", [("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2)]
+)
+@pytest.mark.parametrize("pp_size", [2, 3, 4])
+def test_stage_holders_invert_the_schedule_table(schedule, num_model_chunks, pp_size):
+    holders = stage_holders(pp_size, num_model_chunks, schedule)
+    assert len(holders) == pp_size * num_model_chunks
+    for rank in range(pp_size):
+        assert [stage for stage, holder in enumerate(holders) if holder == rank] == sorted(
+            stages_of_rank(rank, pp_size, num_model_chunks, schedule)
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # microbatch_count
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,7 +162,7 @@ def test_shard_of_rejects_an_indivisible_dimension_and_passes_size_one_through()
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# HybridConfig, ParallelDims, HybridParallelStrategy
+# HybridConfig, PipelineConfig, ParallelDims, HybridParallelStrategy
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -178,8 +192,40 @@ def test_shard_of_rejects_an_indivisible_dimension_and_passes_size_one_through()
     ],
 )
 def test_hybrid_config_rejects_invalid_settings(arguments, message):
+    # The strategy's flat keyword arguments, the pipeline's among them.
+    with pytest.raises(ValueError, match=message):
+        HybridConfig.from_flat_arguments(**arguments)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"pp_size": 2}, "exactly one of num_microbatches"),
+        ({"pipeline": PipelineConfig(num_microbatches=4)}, "but pp_size=1"),
+        ({"pp_size": 2, "pipeline": PipelineConfig(num_microbatches=4, layers_per_stage=(4, 4, 4))}, "= 2 positive"),
+        ({"pp_size": 2, "zero_stage": 2, "pipeline": PipelineConfig(num_microbatches=4)}, "zero_stage=1 with pipe"),
+    ],
+)
+def test_nested_hybrid_config_checks_the_pipeline_against_pp_size(arguments, message):
     with pytest.raises(ValueError, match=message):
         HybridConfig(**arguments)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({}, "exactly one of num_microbatches"),
+        ({"num_microbatches": 4, "microbatch_size": 2}, "exactly one of num_microbatches"),
+        ({"num_microbatches": 0}, "num_microbatches=0"),
+        ({"num_microbatches": 4, "pp_schedule": "gpipe"}, "pp_schedule='gpipe'"),
+        ({"num_microbatches": 4, "num_model_chunks": 0}, "num_model_chunks=0"),
+        ({"num_microbatches": 4, "pp_schedule": "interleaved"}, "num_model_chunks >= 2"),
+        ({"num_microbatches": 4, "layers_per_stage": (8, 0)}, "positive entries"),
+    ],
+)
+def test_pipeline_config_rejects_invalid_settings(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        PipelineConfig(**arguments)
 
 
 def test_hybrid_config_defaults_sequence_parallel_to_all_to_all_with_sp():
@@ -189,16 +235,22 @@ def test_hybrid_config_defaults_sequence_parallel_to_all_to_all_with_sp():
 
 
 def test_hybrid_config_sizes_of_valid_settings():
-    config = HybridConfig(tp_size=2, pp_size=2, sp_size=2, num_microbatches=4)
+    config = HybridConfig.from_flat_arguments(tp_size=2, pp_size=2, sp_size=2, num_microbatches=4)
     assert (config.model_parallel_size, config.num_stages) == (8, 2)
-    interleaved = HybridConfig(pp_size=4, pp_schedule="interleaved", num_model_chunks=3, microbatch_size=2)
+    interleaved = HybridConfig.from_flat_arguments(
+        pp_size=4, pp_schedule="interleaved", num_model_chunks=3, microbatch_size=2
+    )
     assert (interleaved.model_parallel_size, interleaved.num_stages) == (4, 12)
-    zbv = HybridConfig(
+    zbv = HybridConfig.from_flat_arguments(
         pp_size=2, pp_schedule="zbv", num_model_chunks=2, num_microbatches=4, layers_per_stage=[1, 2, 2, 1]
     )
     assert zbv.num_stages == 4
-    assert zbv.layers_per_stage == (1, 2, 2, 1)  # a list is stored as a tuple
+    assert zbv.pipeline is not None and zbv.pipeline.layers_per_stage == (1, 2, 2, 1)  # a list is stored as a tuple
     assert (HybridConfig().model_parallel_size, HybridConfig().num_stages) == (1, 1)
+    # pp_size=1 has no pipeline part; its micro-batch settings are ignored, as before the pipeline had its own type.
+    assert HybridConfig.from_flat_arguments(tp_size=2, num_microbatches=4).pipeline is None
+    nested = HybridConfig(pp_size=2, pipeline=PipelineConfig(pp_schedule="zbv", num_model_chunks=2, microbatch_size=1))
+    assert nested.num_stages == 4
 
 
 def test_parallel_dims_need_sizes_that_divide_the_world():
@@ -217,7 +269,8 @@ def test_strategy_validates_its_arguments_at_construction():
     with pytest.raises(ValueError, match="exactly two chunks"):
         HybridParallelStrategy(pp_size=2, pp_schedule="zbv", num_model_chunks=3, num_microbatches=2)
     strategy = HybridParallelStrategy(tp_size=2, pp_size=2, num_microbatches=4, layers_per_stage=[3, 5])
-    assert strategy.hybrid_config.layers_per_stage == (3, 5)
+    assert strategy.hybrid_config.pipeline is not None
+    assert strategy.hybrid_config.pipeline.layers_per_stage == (3, 5)
     assert strategy.hybrid_config.model_parallel_size == 4
     assert strategy.pipelined
 
@@ -229,9 +282,6 @@ def test_strategy_names_are_registered():
 
 
 def test_pipeline_batches_with_left_padding_are_refused_right_padding_accepted():
-    import torch
-
-    strategy = HybridParallelStrategy(pp_size=2, num_microbatches=2)
     input_ids = torch.arange(8).view(2, 4)
     labels = input_ids.clone()
     right_padded = {
@@ -239,7 +289,7 @@ def test_pipeline_batches_with_left_padding_are_refused_right_padding_accepted()
         "labels": labels,
         "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
     }
-    inputs, targets = strategy._pipeline_inputs(right_padded)
+    inputs, targets = pipeline_inputs(right_padded)
     assert inputs is input_ids and targets is labels
     left_padded = {
         "input_ids": input_ids,
@@ -247,4 +297,44 @@ def test_pipeline_batches_with_left_padding_are_refused_right_padding_accepted()
         "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]),
     }
     with pytest.raises(ValueError, match="padding_side = 'right'"):
-        strategy._pipeline_inputs(left_padded)
+        pipeline_inputs(left_padded)
+
+
+def test_ulysses_split_takes_each_rank_slice_of_every_sequence_tensor_in_any_container():
+    from collections import OrderedDict, namedtuple
+    from dataclasses import dataclass
+
+    Pair = namedtuple("Pair", ["tokens", "labels"])
+
+    @dataclass(frozen=True)
+    class Batch:
+        tokens: torch.Tensor
+        lengths: torch.Tensor
+
+    tokens = torch.arange(16).view(2, 8)
+    lengths = torch.tensor([8, 8])  # 1-D: no sequence dimension, kept whole
+    batch = [Pair(tokens, tokens), OrderedDict(input_ids=tokens, name="x"), Batch(tokens, lengths), (tokens,)]
+    split = split_sequence(batch, sp_size=2, sp_rank=1)
+    assert isinstance(split, list) and isinstance(split[0], Pair) and type(split[1]) is OrderedDict
+    assert torch.equal(split[0].labels, tokens[:, 4:]) and torch.equal(split[1]["input_ids"], tokens[:, 4:])
+    assert split[1]["name"] == "x"
+    assert isinstance(split[2], Batch) and torch.equal(split[2].tokens, tokens[:, 4:]) and split[2].lengths is lengths
+    assert torch.equal(split[3][0], tokens[:, 4:])
+    assert split_sequence(batch, sp_size=1, sp_rank=0) is batch
+    with pytest.raises(ValueError, match="sequence length divisible by 3"):
+        split_sequence(tokens, sp_size=3, sp_rank=0)
+    assert map_tensors("text", lambda tensor: tensor) == "text"
+
+
+def test_gradient_stash_sets_gradients_aside_across_zero_grad_and_puts_them_back():
+    from lightning_colossal.parallel import GradientStash
+
+    layer = torch.nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()
+    weight_gradient = layer.weight.grad
+    layer.bias.grad = None
+    stash = GradientStash()
+    stash.set_aside(layer.parameters())
+    assert layer.weight.grad is None
+    stash.put_back()
+    assert layer.weight.grad is weight_gradient and layer.bias.grad is None

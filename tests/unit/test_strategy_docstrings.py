@@ -1,13 +1,30 @@
 """Every strategy documents every constructor argument in a form LightningCLI reads (Google style, one argument per
 line): `--trainer.strategy.help GeminiStrategy` prints these descriptions, and a docstring the parser cannot read
-silently drops all of them."""
+silently drops all of them.
+
+A strategy takes its own arguments and forwards ``**kwargs`` to the base constructor; jsonargparse follows that call,
+so the arguments checked here are those LightningCLI offers, every base argument included."""
 
 import inspect
+from datetime import timedelta
 
 import docstring_parser
 import pytest
+from jsonargparse import ArgumentParser
+from lightning.pytorch.strategies import Strategy
 
 import lightning_colossal as lc
+from lightning_colossal.config import FSDPConfig
+from lightning_colossal.strategies.docstrings import constructor_arguments
+
+STRATEGIES = [
+    lc.ColossalDDPStrategy,
+    lc.ZeroStrategy,
+    lc.GeminiStrategy,
+    lc.ColossalFSDPStrategy,
+    lc.HybridParallelStrategy,
+]
+BASE_ARGUMENTS = [name for name in inspect.signature(lc.ColossalStrategy.__init__).parameters if name != "self"]
 
 DOCUMENTED = [
     lc.ColossalDDPStrategy,
@@ -19,6 +36,7 @@ DOCUMENTED = [
     lc.ZeroConfig,
     lc.GeminiConfig,
     lc.HybridConfig,
+    FSDPConfig,
     lc.StaticPlacement,
     lc.AutoPlacement,
     lc.LossScalerConfig,
@@ -29,9 +47,24 @@ DOCUMENTED = [
 def test_every_argument_has_a_description_the_cli_can_read(documented):
     parsed = docstring_parser.parse(inspect.getdoc(documented), docstring_parser.DocstringStyle.GOOGLE)
     described = {parameter.arg_name: parameter.description for parameter in parsed.params}
-    arguments = set(inspect.signature(documented.__init__).parameters) - {"self"}
+    signature = inspect.signature(documented.__init__).parameters.values()
+    named = {parameter.name for parameter in signature if parameter.kind is not parameter.VAR_KEYWORD} - {"self"}
+    arguments = named | _arguments_the_cli_offers(documented)
     assert sorted(arguments - set(described)) == []
     assert all(described[name] for name in arguments)
+    # The docstring completion follows `**kwargs` as jsonargparse does: both see the same arguments.
+    assert set(constructor_arguments(documented)) == arguments
+
+
+def _arguments_the_cli_offers(documented: type) -> set[str]:
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(documented, "init")
+    return set(vars(parser.get_defaults().init))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda cls: cls.__name__)
+def test_every_strategy_takes_the_base_arguments(strategy):
+    assert set(BASE_ARGUMENTS) <= _arguments_the_cli_offers(strategy)
 
 
 def test_lightning_cli_help_shows_the_descriptions(capsys):
@@ -42,3 +75,37 @@ def test_lightning_cli_help_shows_the_descriptions(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "elements per chunk" in help_text
     assert "how long a collective may wait" in help_text
+
+
+def test_lightning_cli_help_lists_the_base_arguments_with_their_descriptions(capsys):
+    from lightning_colossal.demo.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["fit", "--trainer.strategy.help", "lightning_colossal.ColossalDDPStrategy"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in BASE_ARGUMENTS:
+        assert f"--trainer.strategy.{name}" in help_text, name
+    assert "gradient bucket size in MiB" in help_text
+    assert "how long a collective may wait" in help_text
+    assert "how ranks are found" in help_text
+
+
+def test_a_config_sets_base_and_own_arguments():
+    """`strategy: {class_path: ..., init_args: {...}}` in a LightningCLI YAML reaches both constructors."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=Strategy)
+    config = parser.parse_object(
+        {
+            "strategy": {
+                "class_path": "lightning_colossal.ZeroStrategy",
+                "init_args": {"timeout": "0:05:00", "stage": 2, "heartbeat_timeout": None, "start_method": "fork"},
+            }
+        }
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    strategy = instantiate(config).strategy
+    assert isinstance(strategy, lc.ZeroStrategy)
+    assert strategy.zero_config.stage == 2
+    assert strategy._timeout == timedelta(minutes=5)
+    assert strategy.heartbeat_timeout is None
+    assert strategy._start_method == "fork"

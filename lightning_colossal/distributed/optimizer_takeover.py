@@ -1,0 +1,71 @@
+"""Taking over the user's optimizer: the checks and the parameter swap that ZeRO and Gemini share.
+
+[Note: optimizer takeover]
+The sharding engines keep the user's optimizer object, so LR schedulers and ``param_groups`` edits keep working,
+but replace the parameters in its groups by *masters* (this rank's fp32 rows of each parameter). That is only
+sound for a ``torch.optim.Optimizer`` that holds nothing but the model's parameters and never stepped: state keyed
+by the old parameters would be orphaned, and a tensor that is not a parameter has no rows to shard. Frozen
+parameters in the optimizer are fine (users often pass ``self.parameters()`` for a LoRA model): they get no master
+and leave the groups, since they never have a gradient to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+# torch optimizers whose fused kernel also runs on the CPU.
+FUSED_CPU_KERNELS = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def check_optimizer(optimizer: object, engine: str) -> Optimizer:
+    """``optimizer`` if the engine can take it over as a type, else ``TypeError``."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{engine} shards a torch.optim.Optimizer; got {type(optimizer).__name__}.")
+    return optimizer
+
+
+def held_parameters(optimizer: Optimizer, module: nn.Module) -> set[int]:
+    """The ids of the tensors ``optimizer`` holds, after checking that the takeover is sound ([Note: optimizer
+    takeover]): every one is a parameter of ``module``, and the optimizer never stepped."""
+    held = {id(parameter) for group in optimizer.param_groups for parameter in group["params"]}
+    strangers = len(held - {id(parameter) for parameter in module.parameters()})
+    if strangers:
+        raise ValueError(
+            f"The optimizer holds {strangers} tensor(s) that are not parameters of the model: build it in"
+            " `configure_optimizers` from `self.parameters()` (or named subsets of them)."
+        )
+    if optimizer.state:
+        raise ValueError(
+            "The optimizer already has state (it stepped before the strategy took it over): return a fresh optimizer"
+            " from `configure_optimizers`, and resume optimizer state through `ckpt_path`."
+        )
+    return held
+
+
+def refuse_accelerator_only_options(optimizer: Optimizer, cpu_steps: str, fix: str, fused: bool = True) -> None:
+    """Refuse options that step only on an accelerator when ``cpu_steps`` (why some masters step on the CPU).
+
+    Args:
+        optimizer: the user's optimizer.
+        cpu_steps: why the engine steps (some) masters in CPU memory, for the message.
+        fix: what the user can change instead of the option, for the message.
+        fused: also refuse ``fused=True`` for optimizers without a fused CPU kernel.
+    """
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        if group.get("capturable"):
+            raise ValueError(
+                f"{name}(capturable=True) steps only on an accelerator, but {cpu_steps}: drop capturable=True{fix}."
+            )
+        if fused and group.get("fused") and name not in FUSED_CPU_KERNELS:
+            raise ValueError(f"{name}(fused=True) has no CPU kernel but {cpu_steps}: use foreach (the default){fix}.")
+
+
+def swap_parameters(optimizer: Optimizer, replacement: Mapping[int, Tensor]) -> None:
+    """Replace each parameter in ``optimizer``'s groups by ``replacement[id(parameter)]`` (its master), dropping the
+    ones without a replacement (frozen parameters: they never have a gradient to step)."""
+    for group in optimizer.param_groups:
+        group["params"] = [replacement[id(parameter)] for parameter in group["params"] if id(parameter) in replacement]

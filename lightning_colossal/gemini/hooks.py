@@ -1,0 +1,327 @@
+"""Gemini's run time: the hooks on every module that owns chunked parameters, and the collectives they drive.
+
+- before a module's forward, its chunks are gathered (or awaited, if prefetched) and marked COMPUTING; chunks no
+  longer in use are released (static placement keeps the ``keep_gathered`` ones until the optimizer step);
+- after its forward, a hook on its outputs waits for backward: before the module's backward its chunks are
+  gathered again and held (AWAITING_GRADIENTS);
+- each parameter's post-accumulate-grad hook copies the gradient into its chunk's fp32 full-gradient buffer and
+  frees ``.grad``; once a chunk has every gradient it is reduced and released, in a fixed order (descending chunk
+  index) so all ranks issue the same collectives in the same order ([Note: fixed reduction order]).
+
+[Note: fixed reduction order]
+Whether a chunk's gradients are complete is a local fact (a parameter may get no gradient on one rank), but
+collectives must match across ranks. Chunk ``k`` is reduced only after every chunk above it was, on a group of its
+own (manager.py [Note: two groups]); before backward the strategy counts which parameters the loss reaches
+(``prepare_backward``), so a chunk is complete when those are in; chunks left at the end of backward are reduced
+then, with zeros for missing gradients. So a parameter that gets no gradient neither hangs nor desynchronises.
+Gathers are collectives too, and the modules a rank runs may depend on its data (an expert that got no token is
+not called): see [Note: gathering in rounds].
+
+[Note: gathering in rounds]
+Ranks may run different modules (mixture-of-experts layers skip experts without tokens), so "gather when a module
+needs its chunks" alone would pair one rank's gather of chunk 4 with another rank's gather of chunk 5: a size error,
+or silently summed rows of different chunks when the sizes agree. Gathers therefore happen in rounds that every rank
+enters together. A rank that needs chunks it does not hold (plus its prefetch candidates) enters a round; one small
+all-reduce tells every rank which chunks anyone asked for, and every rank then takes part in the gather of each of
+them in chunk order: it keeps the chunks it asked for and contributes its rows to the others without keeping them.
+A rank that finished a forward or a backward keeps entering empty rounds until no rank asks for anything
+(``finish_phase``): the strategy ends every forward step with it, the end of backward starts with it. Ranks that
+run the same modules pay one small all-reduce per round. During backward no rank blocks on a gradient reduction
+before that final round (a rank waiting on a reduction that another rank can only start after a gather would
+deadlock), so reductions in flight are bounded only after it.
+
+[Note: gradient accumulation]
+Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
+keeps ZeRO-3 memory and fp32 sums (ColossalAI's Gemini has no accumulation, or halves precision for it).
+
+Parameters no rank produced a gradient for are not stepped: ``distributed/sharded_state.py`` [Note: gradients nobody
+produced].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed.autograd_graph import leaves_reached_from
+from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
+from lightning_colossal.gemini.eviction import Evictor
+from lightning_colossal.gemini.manager import ChunkManager
+from lightning_colossal.gemini.prefetch import Prefetcher
+from lightning_colossal.gemini.tracer import MemoryTracer
+
+
+class ChunkHooks:
+    """Installs the hooks on ``module`` and runs what they trigger: gather rounds, reductions, eviction, prefetch.
+
+    Args:
+        module: the model whose modules own chunked parameters.
+        manager: every chunk of this rank.
+        chunk_of: ``id(parameter)`` to its chunk and member position, for every chunked parameter.
+        process_group: the data-parallel ranks (gather rounds).
+        compute_device: where modules run.
+        tracer: the warm-up trace (automatic placement and prefetch plan against it).
+        evictor: automatic placement's evictions; ``None`` under static placement.
+        prefetcher: which chunks to gather ahead of use.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        manager: ChunkManager,
+        chunk_of: Mapping[int, tuple[Chunk, int]],
+        process_group: ProcessGroup,
+        compute_device: torch.device,
+        tracer: MemoryTracer,
+        evictor: Evictor | None,
+        prefetcher: Prefetcher,
+    ) -> None:
+        self.manager = manager
+        self.chunk_of = chunk_of
+        self.process_group = process_group
+        self.world_size = collectives.world_size(process_group)
+        self.compute_device = compute_device
+        self.tracer = tracer
+        self.evictor = evictor
+        self.prefetcher = prefetcher
+        self._module_chunks: dict[int, frozenset[int]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._install(module)
+        self._next_to_reduce = len(manager.chunks) - 1
+        self._backward_callback_queued = False
+        self._expect_every_gradient()
+        # sharded_state.py [Note: gradients nobody produced]: one flag per chunked parameter, in chunk and member order.
+        self._flag_of = {
+            id(parameter): position
+            for position, parameter in enumerate(p for chunk in manager.chunks for p in chunk.parameters)
+        }
+        self.received = torch.zeros(len(self._flag_of), dtype=torch.float32, device=compute_device)
+
+    def _install(self, module: nn.Module) -> None:
+        for module_id, submodule in enumerate(module.modules()):
+            chunks = frozenset(
+                self.chunk_of[id(parameter)][0].index
+                for parameter in submodule.parameters(recurse=False)
+                if id(parameter) in self.chunk_of
+            )
+            if not chunks:
+                continue
+            self._module_chunks[module_id] = chunks
+            self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
+            self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
+        for chunk in self.manager.chunks:
+            for parameter in chunk.parameters:
+                if parameter.requires_grad:
+                    self._handles.append(parameter.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---------------------------------------------------------------------------------------------- forward
+    # [Note: hooks under torch.compile]
+    # The hooks gather chunks and swap each parameter's ``.data`` between an empty placeholder and its gathered view.
+    # Traced by dynamo, that swap becomes a ``set_`` on a graph input, which AOTAutograd cannot keep in the graph and
+    # inductor then compiles against the placeholder's shape (a 1-D empty tensor). Run eagerly instead: a compiled
+    # model breaks its graph at each hooked module and its compiled pieces see the gathered parameters, as eager does.
+    def _forward_pre_hook(self, module_id: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._before_forward(module_id)
+
+        return torch.compiler.disable(hook)
+
+    def _forward_hook(self, module_id: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._after_forward(module_id, output)
+
+        return torch.compiler.disable(hook)
+
+    def _before_forward(self, module_id: int) -> None:
+        needed = self._module_chunks[module_id]
+        position = self._trace("forward", module_id, needed)
+        for chunk in self.manager.chunks:
+            if chunk.state is ChunkState.GATHERED and chunk.index not in needed and not chunk.keep_gathered:
+                self.manager.release(chunk)
+        self._make_room(needed, position)
+        self._gather_missing(needed, position)
+        for index in sorted(needed):
+            chunk = self.manager.chunks[index]
+            self._gather(chunk)  # only waits: the round above issued every gather this module needs
+            chunk.users += 1
+            if chunk.state is ChunkState.GATHERED:
+                chunk.move(ChunkState.COMPUTING)
+
+    def _after_forward(self, module_id: int, output: Any) -> None:
+        for index in self._module_chunks[module_id]:
+            chunk = self.manager.chunks[index]
+            chunk.users -= 1
+            if chunk.users == 0 and chunk.state is ChunkState.COMPUTING:
+                chunk.move(ChunkState.GATHERED)
+        self.tracer.forward_ended(module_id)
+        if not torch.is_grad_enabled():
+            return
+        tensors = [tensor for tensor in _tensors_in(output) if tensor.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _: self._before_backward(module_id), mode="any"
+            )
+
+    def _trace(self, phase: str, module_id: int, needed: frozenset[int]) -> int:
+        """Record the op in the warm-up step, or find it in the trace afterwards; returns its position."""
+        if not self.tracer.finished:
+            self.tracer.record(phase, module_id, needed)
+            return len(self.tracer.ops) - 1
+        return self.tracer.advance(phase, module_id)
+
+    def _make_room(self, needed: frozenset[int], position: int) -> None:
+        if self.evictor is not None:
+            self.evictor.make_room(needed, position)
+
+    # ---------------------------------------------------------------------------------------------- gathers
+    def _gather(self, chunk: Chunk, asynchronous: bool = False) -> None:
+        if chunk.shard_location is Location.OFFLOAD and chunk.index not in self.manager.plan.offload_parameters:
+            # Automatic placement evicted it earlier: its shard comes back with it.
+            self.manager.move_shard(chunk, Location.COMPUTE)
+        self.manager.gather(chunk, asynchronous=asynchronous)
+        if not asynchronous:
+            self.prefetcher.prefetched.discard(chunk.index)
+
+    def _gather_missing(self, needed: Iterable[int], position: int) -> None:
+        """Gather, in a round with every rank, the chunks of ``needed`` this rank does not hold (and prefetch)."""
+        missing = {index for index in needed if self.manager.chunks[index].state is ChunkState.SHARDED}
+        if not missing:
+            return
+        prefetch = self.prefetcher.candidates(position) - missing
+        self.prefetcher.prefetched |= prefetch
+        self._gather_round(missing | prefetch, asynchronous=prefetch)
+
+    def _gather_round(self, requested: set[int], asynchronous: set[int] | None = None) -> bool:
+        """One round of [Note: gathering in rounds]; returns whether any rank asked for a chunk."""
+        chunks = self.manager.chunks
+        if self.world_size == 1:
+            union = sorted(requested)
+            anyone_asked = bool(requested)
+        else:
+            flags = torch.zeros(len(chunks) + 1, dtype=torch.float32, device=self.compute_device)
+            if requested:
+                flags[sorted(requested)] = 1.0
+                flags[-1] = 1.0
+            collectives.all_reduce(flags, op="max", group=self.process_group)
+            asked = flags.bool().tolist()
+            union = [index for index in range(len(chunks)) if asked[index]]
+            anyone_asked = asked[-1]
+        for index in union:
+            chunk = chunks[index]
+            if index in requested and chunk.state is ChunkState.SHARDED:
+                self._gather(chunk, asynchronous=asynchronous is not None and index in asynchronous)
+            else:
+                self.manager.contribute_to_gather(chunk)
+        return anyone_asked
+
+    def finish_phase(self) -> None:
+        """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective)."""
+        if self.world_size == 1:
+            return
+        while self._gather_round(set()):
+            pass
+
+    # ---------------------------------------------------------------------------------------------- backward
+    def _before_backward(self, module_id: int) -> None:
+        self._queue_end_of_backward()
+        needed = self._module_chunks[module_id]
+        position = self._trace("backward", module_id, needed)
+        self._make_room(needed, position)
+        # Chunks reduced already (their gradients were complete): nothing here needs their weights again.
+        needed = frozenset(index for index in needed if not self.manager.chunks[index].reduced_this_backward)
+        self._gather_missing(needed, position)
+        for index in sorted(needed):
+            chunk = self.manager.chunks[index]
+            self._gather(chunk)
+            if chunk.state is ChunkState.GATHERED:
+                chunk.move(ChunkState.AWAITING_GRADIENTS)
+
+    def _expect_every_gradient(self) -> None:
+        """Without ``prepare_backward``, a chunk waits for every trainable parameter it holds."""
+        for chunk in self.manager.chunks:
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if parameter.requires_grad)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._backward_callback_queued = True
+
+    def prepare_backward(self, loss: Tensor) -> None:
+        """Before ``loss.backward()``: count, per chunk, the parameters this backward will reach (see
+        ``GeminiEngine.prepare_backward``)."""
+        reached = leaves_reached_from(loss)
+        for chunk in self.manager.chunks:
+            chunk.gradients_expected = sum(1 for parameter in chunk.parameters if id(parameter) in reached)
+
+    def _on_gradient(self, parameter: Tensor) -> None:
+        chunk, position = self.chunk_of[id(parameter)]
+        member = chunk.spec.members[position]
+        full_gradient = chunk.full_gradient
+        if full_gradient is None:
+            full_gradient = self.manager.allocate_full_gradient(chunk)
+        assert parameter.grad is not None
+        chunk.member_full(full_gradient, member).add_(parameter.grad)
+        parameter.grad = None
+        self.received[self._flag_of[id(parameter)]] = 1.0
+        chunk.gradients_arrived += 1
+        self._queue_end_of_backward()
+        self._reduce_in_order(force=False)
+
+    def _reduce_in_order(self, force: bool) -> None:
+        # See [Note: fixed reduction order].
+        while self._next_to_reduce >= 0:
+            chunk = self.manager.chunks[self._next_to_reduce]
+            if not force and chunk.gradients_arrived < chunk.gradients_expected:
+                return
+            # Unbounded while other ranks may still need a gather round ([Note: gathering in rounds]).
+            self.manager.reduce(chunk, bound_in_flight=force)
+            chunk.reduced_this_backward = True
+            if chunk.state is ChunkState.AWAITING_GRADIENTS:
+                chunk.move(ChunkState.GATHERED)
+                if not chunk.keep_gathered:
+                    self.manager.release(chunk)
+            self._next_to_reduce -= 1
+
+    def _end_of_backward(self) -> None:
+        self.finish_phase()
+        self._reduce_in_order(force=True)
+        self.manager.complete_reductions(block=True)
+        for chunk in self.manager.chunks:
+            chunk.reduced_this_backward = False
+            if chunk.state is ChunkState.GATHERING:
+                self.manager.wait(chunk)
+            if chunk.state is ChunkState.AWAITING_GRADIENTS:
+                chunk.move(ChunkState.GATHERED)
+        self._next_to_reduce = len(self.manager.chunks) - 1
+        self._backward_callback_queued = False
+        self._expect_every_gradient()
+        received = sharded_state.received_on_any_rank(self.received, self.process_group)
+        self.manager.attach_master_gradients(lambda parameter: received[self._flag_of[id(parameter)]])
+        self.tracer.finish()
+
+
+def _tensors_in(output: Any) -> Iterator[Tensor]:
+    if isinstance(output, Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors_in(item)
+    elif isinstance(output, Mapping):
+        for item in output.values():
+            yield from _tensors_in(item)
+    elif hasattr(output, "__dataclass_fields__") or hasattr(output, "to_tuple"):
+        # Hugging Face ModelOutput and dataclasses
+        values = output.to_tuple() if hasattr(output, "to_tuple") else vars(output).values()
+        for item in values:
+            yield from _tensors_in(item)

@@ -1,0 +1,264 @@
+"""Saving and loading the portable checkpoint format (``checkpoint/``) through Lightning's strategy interface.
+
+A part of ``ColossalStrategy`` (``strategies/base.py``), split out by what it owns; not used on its own. A mode says
+how its weights and optimizer state map to names by overriding the hooks at the top of ``CheckpointingMixin``
+(``model_state_for_checkpoint``, ``_load_full_model_state``, and ``optimizer_names_and_state`` /
+``_load_optimizer_state`` when its optimizer state is sharded); saving, resharding on load, random state and the
+checks with their messages are shared.
+
+[Note: who loads checkpoints]
+Sharded strategies must load into the *wrapped* model and the *real* optimizers, so ``restore_checkpoint_after_setup``
+is True and ``load_checkpoint`` itself fills weights, optimizer state and RNG state in place (DCP reshards on the way).
+Lightning's ``load_model_state_dict`` / ``load_optimizer_state_dict`` are then no-ops; Lightning still restores loops,
+callbacks, LR schedulers and the precision plugin (loss scaler) from the entries ``load_checkpoint`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_colossal.checkpoint.huggingface import HUGGINGFACE_KEY, describe_huggingface_model
+from lightning_colossal.checkpoint.layout import (
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    MODEL_KEY,
+    RNG_KEY,
+    CheckpointFiles,
+    CheckpointKind,
+    locate_checkpoint,
+    optimizer_key,
+    rng_key,
+)
+from lightning_colossal.checkpoint.optimizer_state import rekey_by_name
+from lightning_colossal.checkpoint.sharded import (
+    load_file_weights,
+    load_metadata,
+    load_sharded,
+    remove_checkpoint,
+    save_sharded,
+    saved_keys,
+)
+from lightning_colossal.strategies._lightning_private import _collect_rng_states, _set_rng_states, lightning_load
+from lightning_colossal.strategies.optimizers import unwrap_optimizer
+from lightning_colossal.strategies.processes import ProcessGroupMixin
+
+
+class CheckpointingMixin(ProcessGroupMixin):
+    """Checkpoint save and load of ``ColossalStrategy`` (see the module docstring); it needs the processes' ranks."""
+
+    # ---------------------------------------------------------------------------------------------- a mode's hooks
+    def model_state_for_checkpoint(self) -> dict[str, Any]:
+        """This rank's model tensors by LightningModule parameter name (full, or shards the engine describes).
+
+        Loading fills these same tensors in place, so they must alias the live parameters. By default the module's
+        own ``state_dict()``: its tensors alias the parameters (whole ones under DDP, FSDP2's DTensor shards), so DCP
+        saves them and loads straight into the live model.
+        """
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    def whole_model_keys(self, model_state: dict[str, Any]) -> set[str]:
+        """Names of the whole model a checkpoint must hold; more than this rank's when ranks hold different parts
+        (pipeline stages)."""
+        return set(model_state)
+
+    def _on_model_state_loaded(self) -> None:
+        """Called after a sharded checkpoint filled ``model_state_for_checkpoint()`` in place (engines re-sync here)."""
+
+    def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
+        """Load full (unsharded) weights by name into the live, set-up model."""
+        raise NotImplementedError(f"{type(self).__name__} must say how to load full weights.")
+
+    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The name-keyed state of ``optimizer`` (initialised if it never stepped); tensors alias the live state."""
+        assert self.lightning_module is not None
+        return get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        assert self.lightning_module is not None
+        set_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer), state)
+
+    def full_model_state_dict(self) -> dict[str, Tensor]:
+        """The full, unsharded weights as CPU tensors, on every rank (a collective when weights are sharded)."""
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict()
+        gathered = {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
+        return {name: value.detach().cpu() for name, value in gathered.items()}
+
+    # ---------------------------------------------------------------------------------------------- Lightning's side
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # see [Note: who loads checkpoints]
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.model_state_for_checkpoint()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self.optimizer_names_and_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done by load_checkpoint, see [Note: who loads checkpoints]
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # done by load_checkpoint, see [Note: who loads checkpoints]
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: lightning_colossal writes"
+                " its own sharded format. Drop storage_options."
+            )
+        path = Path(self.broadcast(str(filepath)))
+        tensor_state: dict[str, Any] = {MODEL_KEY: checkpoint.pop("state_dict")}
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        for index, state in enumerate(optimizer_states or []):
+            tensor_state[optimizer_key(index)] = state
+        tensor_state[RNG_KEY] = {rng_key(self.global_rank): _collect_rng_states(include_cuda=torch.cuda.is_available())}
+        checkpoint[FORMAT_KEY] = {
+            "format_version": FORMAT_VERSION,
+            "strategy": type(self).__name__,
+            "world_size": self.world_size,
+            "num_optimizers": len(optimizer_states or []),
+            "parallel_dims": self.parallel_dims.axis_sizes() if self._parallel_dims is not None else None,
+        }
+        huggingface = describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
+        if huggingface is not None:
+            # What `consolidate --format huggingface` needs to write a from_pretrained directory.
+            checkpoint[FORMAT_KEY][HUGGINGFACE_KEY] = huggingface
+        save_sharded(path, tensor_state, checkpoint)
+
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        # A checkpoint is its file and its shards directory (see checkpoint/layout.py); Lightning would delete the file.
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.lightning_module is not None
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        strict = self.lightning_module.strict_loading
+        files = locate_checkpoint(path)
+        if files.kind is CheckpointKind.FULL:
+            return self._load_full_checkpoint(path, weights_only, fitting, strict)
+        if not files.has_shards:
+            return self._load_checkpoint_file_without_shards(files, weights_only, fitting, strict)
+        return self._load_sharded_checkpoint(files, weights_only, fitting, strict)
+
+    # ---------------------------------------------------------------------------------------------- loading
+    def _load_checkpoint_file_without_shards(
+        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        """A checkpoint file copied without its shards: its full weights serve validate/test/predict, not resuming."""
+        if fitting:
+            raise FileNotFoundError(
+                f"{files.path} holds the full weights, but its sharded training state (optimizer, random state) is"
+                f" missing: expected at {files.shards}. Copy that directory next to the file to resume, or start a new"
+                " run from these weights: `Module.load_from_checkpoint(path)`, then `trainer.fit(module)` without"
+                " ckpt_path."
+            )
+        self._load_full_model_state(load_file_weights(files), strict)
+        metadata = load_metadata(files, weights_only)
+        metadata.pop(FORMAT_KEY, None)
+        return metadata
+
+    def _load_sharded_checkpoint(
+        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        path, shards = files.path, files.shards
+        assert shards is not None
+        available = saved_keys(shards)
+        model_state = self.model_state_for_checkpoint()
+        _check_model_keys(
+            path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict
+        )
+        metadata = load_metadata(files, weights_only)
+        tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
+        optimizers = self.optimizers if fitting else []
+        if optimizers:
+            saved_count = metadata.get(FORMAT_KEY, {}).get("num_optimizers", 0)
+            _check_optimizer_count(path, saved_count, len(optimizers))
+            for index, optimizer in enumerate(optimizers):
+                tensor_state[optimizer_key(index)] = self.optimizer_names_and_state(optimizer)
+        own_rng = rng_key(self.global_rank)
+        restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
+        if restores_rng:
+            tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
+        load_sharded(shards, tensor_state, allow_partial=not strict)
+        self._on_model_state_loaded()
+        for index, optimizer in enumerate(optimizers):
+            self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])
+        if restores_rng:
+            _set_rng_states(tensor_state[RNG_KEY][own_rng])
+        elif fitting:
+            rank_zero_warn(
+                f"{path} was saved at world size {metadata.get(FORMAT_KEY, {}).get('world_size')} and holds no random"
+                " state for some ranks of this run: those ranks continue from their seeded random state."
+            )
+        return metadata
+
+    def _load_full_checkpoint(
+        self, path: Path, weights_only: bool | None, fitting: bool, strict: bool
+    ) -> dict[str, Any]:
+        checkpoint = lightning_load(path, map_location="cpu", weights_only=weights_only)
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(
+                f"{path} is not a Lightning checkpoint (it has no 'state_dict' entry). To start from plain weights,"
+                " load them in `configure_model` or with `LightningModule.load_state_dict` before `fit`, and pass no"
+                " ckpt_path."
+            )
+        self._load_full_model_state(checkpoint.pop("state_dict"), strict)
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        optimizers = self.optimizers if fitting else []
+        if optimizers:
+            _check_optimizer_count(path, len(optimizer_states or []), len(optimizers))
+            for optimizer, saved in zip(optimizers, optimizer_states or [], strict=True):
+                names = [group["params"] for group in self.optimizer_names_and_state(optimizer)["param_groups"]]
+                self._load_optimizer_state(optimizer, rekey_by_name(saved, names))
+        return checkpoint
+
+
+def _check_model_keys(path: Path, expected: set[str], available: set[str], strict: bool) -> None:
+    saved_model_keys = {key for key in available if key.startswith(f"{MODEL_KEY}.")}
+    missing = sorted(expected - saved_model_keys)
+    unexpected = sorted(saved_model_keys - expected)
+    if not saved_model_keys:
+        raise ValueError(f"{path} holds no model weights: it is not a lightning_colossal training checkpoint.")
+    if strict and (missing or unexpected):
+        prefix = len(MODEL_KEY) + 1
+        raise RuntimeError(
+            f"Error loading {path}: missing keys {[key[prefix:] for key in missing[:10]]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {[key[prefix:] for key in unexpected[:10]]}"
+            f"{' ...' if len(unexpected) > 10 else ''}. The model differs from the one that was saved; set"
+            " `self.strict_loading = False` in your LightningModule to load the matching weights only."
+        )
+
+
+def _check_optimizer_count(path: Path, saved: int, expected: int) -> None:
+    if saved == 0:
+        raise KeyError(
+            f"{path} holds no optimizer state (saved with weights_only=True?), so training cannot resume from it. Load"
+            " the weights with `LightningModule.load_state_dict` (or consolidate the checkpoint first) and call"
+            " `fit` without ckpt_path."
+        )
+    if saved != expected:
+        raise ValueError(
+            f"{path} holds {saved} optimizer(s) but `configure_optimizers` returned {expected}: return the same"
+            " optimizers as the run that saved the checkpoint."
+        )

@@ -1,0 +1,127 @@
+"""``EngineStrategy``: the adapter base of the modes whose engine takes over the optimizer (ZeRO, Gemini; hybrid).
+
+Such an engine (``engine_protocol.StepEngine``) is built with the user's one optimizer and owns the gradients
+between backward and the optimizer step. The Lightning side is the same for all of them and written once here:
+
+- ``setup``: prepare the module (``_prepare_module``), then ``_setup_engine`` (by default: release the engine of an
+  earlier stage, build the one optimizer when fitting or forget an earlier fit's optimizers otherwise, and build a
+  new engine over it with the mode's ``_build_engine``), then the precision plugin, whose gradient clipper becomes
+  the engine (a global norm over every shard; precision.py [Note: clipping belongs to the engine]);
+- ``block_backward_sync`` (the non-final micro-batches of gradient accumulation) enters the engine's ``no_sync()``
+  when it has one (``SkipsGradientSync``);
+- ``optimizer_step`` tells the engine whether the step happened: ``after_step(stepped=False)`` when the loss scaler
+  skipped it;
+- the optimizer state is saved and loaded by name through the engine (``NameKeyedOptimizerState``);
+- ``teardown`` releases the engine (``_release_engine``), unless the release is a collective and the run failed.
+
+A mode names its engine type, implements ``_build_engine`` and says why the engine refuses manual optimization
+(``manual_optimization_refusal``). A mode that keeps one engine across stages overrides ``_setup_engine`` (build once,
+then attach each fit's optimizer) and ``_release_engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, ClassVar, Generic, TypeVar
+
+import lightning.pytorch as pl
+from torch.optim import Optimizer
+
+from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine
+from lightning_colossal.strategies.base import ColossalStrategy
+
+EngineT = TypeVar("EngineT", bound=StepEngine)
+
+
+class EngineStrategy(ColossalStrategy, Generic[EngineT]):
+    """A strategy driving an engine that took over the optimizer (see the module docstring); not registered itself.
+
+    Its constructor takes the arguments every strategy shares (``ColossalStrategy``) and forwards them.
+    """
+
+    #: Why the engine cannot leave the optimizer step to the user (what it owns); said when manual optimization or
+    #: several optimizers are refused.
+    manual_optimization_refusal: ClassVar[str] = "the engine owns the gradients and the optimizer step"
+    #: The strategy names that do take manual optimization and several optimizers.
+    manual_optimization_alternatives: ClassVar[str] = "`colossal_ddp` / `colossal_fsdp`"
+    #: Releasing the engine is a collective (e.g. gathering whole parameters): skipped at the teardown of a failed
+    #: run, whose other ranks may never reach it.
+    release_is_collective: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.engine: EngineT | None = None
+
+    # ---------------------------------------------------------------------------------------------- set-up
+    def setup(self, trainer: pl.Trainer) -> None:
+        fitting = self._prepare_module(trainer)
+        self.engine = self._setup_engine(trainer, fitting)
+        self.setup_precision_plugin()
+        if self.engine is not None:
+            self.precision_plugin.gradient_clipper = self.engine
+
+    def _setup_engine(self, trainer: pl.Trainer, fitting: bool) -> EngineT | None:
+        """The engine this stage runs with; by default a new one from ``_build_engine`` over this stage's optimizer,
+        or over none outside fitting."""
+        if self.engine is not None:
+            self._release_engine(self.engine)  # an earlier stage's; this stage builds its own
+            self.engine = None
+        optimizer = None
+        if fitting:
+            optimizer = self._setup_single_optimizer(
+                trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
+            )
+        else:
+            self._drop_optimizers_of_earlier_fit()
+        return self._build_engine(trainer, optimizer)
+
+    def _build_engine(self, trainer: pl.Trainer, optimizer: Optimizer | None) -> EngineT | None:
+        """A new engine over the prepared model and ``optimizer`` (``None`` outside fitting); ``None`` when the mode
+        runs without one there."""
+        raise NotImplementedError(f"{type(self).__name__} must build its engine.")
+
+    def _release_engine(self, engine: EngineT) -> None:
+        """Stop ``engine`` driving the model (between stages and at teardown)."""
+        engine.remove()
+
+    def teardown(self) -> None:
+        # The engine stays referenced: `trainer.save_checkpoint` after `fit` still reads its shards and state.
+        engine = self.engine
+        if engine is not None and not (self.release_is_collective and self._failure_being_torn_down() is not None):
+            self._release_engine(engine)
+        super().teardown()
+
+    # ---------------------------------------------------------------------------------------------- steps
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if not isinstance(self.engine, SkipsGradientSync):
+            with super().block_backward_sync():
+                yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.engine is not None:
+            self.engine.after_step(stepped=not self.precision_plugin.last_step_skipped)
+        return output
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not isinstance(self.engine, NameKeyedOptimizerState):
+            return super().optimizer_names_and_state(optimizer)
+        return self.engine.optimizer_state_by_name()
+
+    def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
+        if not isinstance(self.engine, NameKeyedOptimizerState):
+            super()._load_optimizer_state(optimizer, state)
+            return
+        self.engine.load_optimizer_state_by_name(state)

@@ -1,0 +1,199 @@
+"""The two ZeRO stages as reducer types: where gradients live between backward and step, and how a bucket is reduced.
+
+Stage 1 keeps full-size gradients (parameters' ``.grad`` are views into one buffer per bucket) and all-reduces
+them, communicating only on the last micro-batch of an accumulation. Stage 2 copies each gradient into a
+rank-major staging buffer as soon as autograd produced it, frees it, and adds the reduced slot into a persistent
+fp32 accumulator of this rank's rows only.
+
+[Note: ZeRO-2 reduction per backend]
+Stage 2 needs each rank to end with the sum of its own rows: a reduce-scatter of the rank-major staging buffer, or,
+on gloo, an all-reduce of the same buffer after which each rank keeps its slot (``collectives.reduce_own_slot_async``,
+[Note: all-reduce on gloo]). Both give the same sums.
+
+[Note: bounded staging]
+Stage 2's staging buffers come from a small pool and go back to it once their bucket is reduced; at most
+``MAX_STAGE2_BUCKETS_IN_FLIGHT`` buckets wait on the network at once (launching another retires the oldest).
+So stage 2 holds a few buckets of staging memory, independent of the model size, and allocates nothing per step:
+on CPU a fresh zeroed buffer of the model's size costs page faults every step, measurably more than the
+communication it feeds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed import Work
+
+from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.staging import rows_into_slots
+from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
+
+MAX_STAGE2_BUCKETS_IN_FLIGHT = 2
+
+
+class Stage1Reducer(GradientReducer):
+    """ZeRO-1: full gradients in persistent buckets, all-reduced and averaged; each rank reads its own rows."""
+
+    def bucket_numel_of(self, member: ReducedParameter) -> int:
+        return member.parameter.numel()
+
+    def _prepare_bucket(self, bucket: Bucket) -> None:
+        # Persistent: parameters' .grad are views into it, so autograd accumulates straight into the buffer.
+        bucket.gradients = torch.zeros(bucket.numel, dtype=bucket.dtype, device=self.device)
+        for member in bucket.members:
+            member.parameter.grad = _full_gradient_in(bucket, member)
+
+    def _bucket_view(self, member: ReducedParameter) -> Tensor:
+        return _full_gradient_in(self.buckets[member.bucket_index], member)
+
+    def owned_gradient(self, member: ReducedParameter) -> Tensor:
+        gradient = self._bucket_view(member)
+        if member.spec.replicated:
+            return gradient
+        return gradient[member.spec.row_start : member.spec.row_end]
+
+    def persistent_gradient_bytes(self) -> int:
+        return sum(
+            bucket.gradients.numel() * bucket.gradients.element_size()
+            for bucket in self.buckets
+            if bucket.gradients is not None
+        )
+
+    def _zero_own_gradients(self) -> None:
+        for bucket in self.buckets:
+            assert bucket.gradients is not None
+            bucket.gradients.zero_()
+
+    def _communicates_now(self) -> bool:
+        # Non-final micro-batches accumulate into the full-size buckets; only the last one communicates.
+        return not self.blocked
+
+    def _take_gradient(self, member: ReducedParameter, bucket: Bucket) -> None:
+        """If something replaced ``.grad`` (e.g. ``zero_grad(set_to_none=True)`` on the module), put it back."""
+        parameter = member.parameter
+        assert parameter.grad is not None
+        view = self._bucket_view(member)
+        if parameter.grad.data_ptr() != view.data_ptr():
+            view.copy_(parameter.grad)
+            parameter.grad = view
+
+    def _start_reduction(self, bucket: Bucket) -> Work | None:
+        assert bucket.gradients is not None
+        return collectives.all_reduce_async(bucket.gradients, self.process_group)
+
+    def _complete(self, bucket: Bucket) -> None:
+        assert bucket.gradients is not None
+        bucket.gradients.div_(self.world_size)
+
+    def _after_backward(self) -> None:
+        for bucket in self.buckets:
+            for member in bucket.members:
+                # Parameters without a gradient this step never passed the hook; point them at their slot too.
+                member.parameter.grad = self._bucket_view(member)
+
+    def flush(self) -> None:
+        for bucket in self.buckets:
+            for member in bucket.members:
+                if member.parameter.grad is not None:
+                    self._take_gradient(member, bucket)
+        self.finish()
+
+
+class Stage2Reducer(GradientReducer):
+    """ZeRO-2: each gradient staged into rank-major slots and freed; the reduced own slot is averaged into an fp32
+    accumulator of this rank's rows (see the Notes above).
+
+    Args:
+        members: the parameters taking part.
+        setup: what every reducer is built with.
+        accumulate_locally: on non-final micro-batches keep full gradients in ``.grad`` and reduce once per step
+            (``stage2_accumulation="local"``) instead of reducing every micro-batch into the accumulator.
+        use_reduce_scatter: reduce-scatter the staging buffers instead of all-reducing them ([Note: ZeRO-2 reduction
+            per backend]).
+    """
+
+    max_in_flight = MAX_STAGE2_BUCKETS_IN_FLIGHT
+
+    def __init__(
+        self, members: list[ReducedParameter], setup: ReducerSetup, accumulate_locally: bool, use_reduce_scatter: bool
+    ) -> None:
+        super().__init__(members, setup)
+        self.accumulate_locally = accumulate_locally
+        self.use_reduce_scatter = use_reduce_scatter
+        offset = 0
+        for member in members:
+            member.accumulator_offset = offset
+            offset += member.spec.local_numel
+        self.accumulator = torch.zeros(offset, dtype=torch.float32, device=self.device)
+
+    def bucket_numel_of(self, member: ReducedParameter) -> int:
+        return member.spec.slot_numel
+
+    def owned_gradient(self, member: ReducedParameter) -> Tensor:
+        spec = member.spec
+        flat = self.accumulator[member.accumulator_offset : member.accumulator_offset + spec.local_numel]
+        return flat.view(spec.local_shape)
+
+    def persistent_gradient_bytes(self) -> int:
+        return self.accumulator.numel() * self.accumulator.element_size()
+
+    def _zero_own_gradients(self) -> None:
+        self.accumulator.zero_()
+        for member in self._member_of.values():
+            member.parameter.grad = None
+
+    def _communicates_now(self) -> bool:
+        # "sharded" accumulation reduces every micro-batch; "local" keeps full gradients until the last one.
+        return not self.blocked or not self.accumulate_locally
+
+    def _staging(self, bucket: Bucket) -> Tensor:
+        """The bucket's zeroed rank-major staging buffer, taken from the pool on first use in this backward."""
+        if bucket.gradients is None:
+            bucket.gradients = self.acquire(bucket.dtype, self.world_size * bucket.numel).zero_()
+        return bucket.gradients
+
+    def _take_gradient(self, member: ReducedParameter, bucket: Bucket) -> None:
+        """Copy a fresh gradient into every rank's slot of the staging buffer, then free it."""
+        parameter = member.parameter
+        gradient = parameter.grad
+        assert gradient is not None
+        slots = self._staging(bucket).view(self.world_size, bucket.numel)
+        rows_into_slots(gradient.reshape(-1), member.spec, slots, member.bucket_offset)
+        parameter.grad = None
+
+    def _start_reduction(self, bucket: Bucket) -> Work | None:
+        staging = self._staging(bucket)  # a bucket no member gave a gradient on this rank takes part with zeros
+        output = self.acquire(bucket.dtype, bucket.numel) if self.use_reduce_scatter else None
+        work, bucket.own_slot = collectives.reduce_own_slot_async(
+            staging, self.process_group, scatter=self.use_reduce_scatter, output=output
+        )
+        return work
+
+    def _complete(self, bucket: Bucket) -> None:
+        assert bucket.gradients is not None and bucket.own_slot is not None
+        own_slot = bucket.own_slot
+        for member in bucket.members:
+            numel = member.spec.local_numel
+            if numel == 0:
+                continue
+            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
+            target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0 / self.world_size)
+        # Staging goes back to the pool: stage 2 keeps only this rank's rows between backward passes.
+        self.release(bucket.gradients)
+        if self.use_reduce_scatter:
+            self.release(own_slot)
+        bucket.gradients = None
+        bucket.own_slot = None
+
+    def flush(self) -> None:
+        raise RuntimeError(
+            "ZeRO stage 2 reduces gradients during backward and never holds unreduced full gradients to flush: use"
+            " stage 1 where gradients are reduced after the backward passes (pipeline schedules)."
+        )
+
+
+def _full_gradient_in(bucket: Bucket, member: ReducedParameter) -> Tensor:
+    """Stage 1: the slice of ``bucket``'s gradient buffer holding ``member``'s full gradient."""
+    assert bucket.gradients is not None
+    parameter = member.parameter
+    return bucket.gradients[member.bucket_offset : member.bucket_offset + parameter.numel()].view_as(parameter)
