@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from lightning_colossal.distributed.group_cache import reuse_or_create, set_group_timeout
+
 T = TypeVar("T")
 
 _REDUCE_OPS: dict[str, ReduceOp.RedOpType] = {
@@ -225,18 +227,19 @@ def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGro
     """A second process group over the same ranks (a collective: every rank of the world must call it).
 
     Collectives on different groups are matched independently, so an engine can run two streams of collectives
-    whose interleaving differs between ranks (Gemini: gathers and gradient reductions).
+    whose interleaving differs between ranks (Gemini: gathers and gradient reductions). Made once per process and
+    reused by later engines ([Note: one set of process groups per process] in ``group_cache.py``).
     """
     if not is_initialized():
         return None
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks=ranks, timeout=timeout, backend=backend(group))
-
-
-def destroy_group(group: ProcessGroup | None) -> None:
-    """Release a group made by ``new_group_like`` (its connections and threads)."""
-    if group is not None and is_initialized():
-        dist.destroy_process_group(group)
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    group_backend = backend(group)
+    second = reuse_or_create(
+        ("second_group", ranks, group_backend),
+        lambda: dist.new_group(ranks=list(ranks), timeout=timeout, backend=group_backend),
+    )
+    set_group_timeout(second, timeout)
+    return second
 
 
 def gather_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = None) -> torch.Tensor:
@@ -302,15 +305,25 @@ def sum_within_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
 
 def new_group_containing(rank_lists: list[list[int]], timeout: timedelta) -> ProcessGroup | None:
     """Create one group per list of ranks (a collective: every rank calls it with the same lists, in the same order)
-    and return the one this rank belongs to (``None`` if none)."""
+    and return the one this rank belongs to (``None`` if none).
+
+    The groups are made once per process and reused by later calls with the same lists ([Note: one set of process
+    groups per process] in ``group_cache.py``).
+    """
     if not is_initialized():
         return None
+    sorted_lists = tuple(tuple(sorted(ranks)) for ranks in rank_lists)
+    group_backend = backend()
+
+    def create() -> dict[tuple[int, ...], ProcessGroup]:
+        return {
+            ranks: dist.new_group(ranks=list(ranks), timeout=timeout, backend=group_backend) for ranks in sorted_lists
+        }
+
+    groups = reuse_or_create(("groups_containing", sorted_lists, group_backend), create)
     own = dist.get_rank()
-    mine = None
-    for ranks in rank_lists:
-        group = dist.new_group(ranks=sorted(ranks), timeout=timeout, backend=backend())
-        if own in ranks:
-            mine = group
+    mine = next((group for ranks, group in groups.items() if own in ranks), None)
+    set_group_timeout(mine, timeout)
     return mine
 
 

@@ -3,7 +3,8 @@
 One ``DeviceMesh`` with named axes (``pp``, ``dp``, ``sp``, ``tp``, outermost first) owns every process group.
 Tensor parallelism is innermost because its collectives are the most frequent and should stay inside a node;
 pipeline parallelism is outermost because it only sends activations between neighbours. Strategies pass the mesh
-(or a sub-mesh) to engines explicitly; nothing here is global state.
+(or a sub-mesh) to engines explicitly. The one piece of process-wide state is the cache that makes each mesh once
+per process (``group_cache.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from datetime import timedelta
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_colossal.distributed.group_cache import reuse_or_create, set_group_timeout
 
 MESH_AXES: tuple[str, ...] = ("pp", "dp", "sp", "tp")
 
@@ -71,14 +74,27 @@ class ParallelDims:
 
 
 def build_device_mesh(dims: ParallelDims, device: torch.device, timeout: timedelta | None = None) -> DeviceMesh:
-    """Create the ``DeviceMesh`` for ``dims`` on the device type of ``device``.
+    """The ``DeviceMesh`` for ``dims`` on the device type of ``device``.
 
     Every rank must call this collectively (creating sub-groups is a collective operation). Axes of size 1 are
     kept so code can always ask for ``mesh["dp"]`` and friends. ``timeout`` is applied to every axis's group.
     """
     sizes = dims.axis_sizes()
-    forget_dtensor_plans()
-    mesh = init_device_mesh(device.type, tuple(sizes.values()), mesh_dim_names=tuple(sizes.keys()))
+    return named_device_mesh(device.type, tuple(sizes.values()), tuple(sizes.keys()), timeout)
+
+
+def named_device_mesh(
+    device_type: str, shape: tuple[int, ...], names: tuple[str, ...], timeout: timedelta | None = None
+) -> DeviceMesh:
+    """A mesh of ``shape`` with axes ``names`` over all ranks, made once per process and then reused (see
+    [Note: one set of process groups per process] in ``group_cache.py``); a collective the first time."""
+
+    def create() -> DeviceMesh:
+        # A new mesh over new groups: DTensor's plans cached for an equal-looking earlier mesh must go.
+        forget_dtensor_plans()
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    mesh = reuse_or_create(("device_mesh", device_type, shape, names), create)
     if timeout is not None:
         apply_timeout(mesh, timeout)
     return mesh
@@ -88,16 +104,10 @@ def apply_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
     """Give every axis group of ``mesh`` the collective ``timeout``.
 
     ``init_device_mesh`` creates an axis's group with torch's default timeout (30 minutes, 10 for NCCL), not the
-    world group's: a hang on the data-parallel axis of a tp x dp mesh would otherwise wait half an hour. torch sets a
-    live group's timeout only through a private function, so a torch without it keeps its default.
+    world group's: a hang on the data-parallel axis of a tp x dp mesh would otherwise wait half an hour.
     """
-    set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
-    if set_timeout is None:
-        return
     for dimension in range(mesh.ndim):
-        group = mesh.get_group(dimension)
-        if group.size() > 1:
-            set_timeout(timeout, group)
+        set_group_timeout(mesh.get_group(dimension), timeout)
 
 
 def forget_dtensor_plans() -> None:

@@ -295,7 +295,7 @@ class GeminiEngine:
             return
         self.detached = True
         self.remove()
-        collectives.destroy_group(self.reduce_group)
+        # Not destroyed: the next engine in this process reuses it ([Note: one set of process groups per process]).
         self.reduce_group = None
         checkpoint_state.give_parameters_their_values(self.manager)
 

@@ -28,13 +28,13 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import FSDPConfig
-from lightning_colossal.distributed.mesh import apply_timeout
+from lightning_colossal.distributed.mesh import named_device_mesh
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
@@ -104,9 +104,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
             return self.device_mesh["dp"]
         # HSDP: a 2-D mesh (replicate, shard); fully_shard replicates over the first axis, shards over the second.
         shape = (replicate_size, self.world_size // replicate_size)
-        mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=("replicate", "shard"))
-        apply_timeout(mesh, self._timeout)
-        return mesh
+        return named_device_mesh(self.root_device.type, shape, ("replicate", "shard"), self._timeout)
 
     def _mixed_precision_policy(self) -> MixedPrecisionPolicy:
         # All-gather and compute in the plugin's compute dtype, reduce gradients in fp32 (autocast still decides
