@@ -26,6 +26,7 @@ from tests.fresh_interpreter import REPOSITORY_ROOT
 
 FAILURE_STEP = 5  # the last checkpoint is the end of epoch 2 (step 4)
 MAX_STEPS = 8
+SAVE_EPOCH = 2  # its checkpoint (global step 6) is cut short; the last complete one ends epoch 1 (step 4)
 HEARTBEAT_TIMEOUT_SECONDS = 5
 
 SCRIPT = (
@@ -54,6 +55,19 @@ SCRIPT = (
                 print(f"FAILING pid={os.getpid()} at={time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGSTOP)
 
+    class KillRankOneWhileItWritesShards(Callback):
+        # At the save that ends epoch SAVE_EPOCH, rank 1 dies inside DCP's shard writing (rank 0 may have written).
+
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == SAVE_EPOCH and trainer.global_rank == 1:
+                from torch.distributed.checkpoint import FileSystemWriter
+
+                def write_data(writer, plan, planner):
+                    print(f"FAILING pid={os.getpid()} at={time.time():.3f}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+                FileSystemWriter.write_data = write_data
+
     def fit(name, callbacks=(), ckpt_path=None):
         module = new_module(batch_size=16, dropout=0.1, with_scheduler=True)  # 2 steps per epoch at 2 ranks
         # max_epochs, not max_steps: resuming an epoch-end checkpoint under max_steps does not continue identically
@@ -73,6 +87,9 @@ SCRIPT = (
         if mode in ("kill", "stop"):
             fit(names[0], callbacks=[FailRankOne(mode)])
             print("UNREACHABLE: fit returned after a rank failed", flush=True)
+        elif mode == "kill_in_save":
+            fit(names[0], callbacks=[KillRankOneWhileItWritesShards()])
+            print("UNREACHABLE: fit returned after a rank failed", flush=True)
         else:  # resume every strategy from its last checkpoint, then train it uninterrupted
             for name in names:
                 trainer, resumed = fit(name, ckpt_path="last")
@@ -83,6 +100,7 @@ SCRIPT = (
     """
     )
     .replace("FAILURE_STEP", str(FAILURE_STEP))
+    .replace("SAVE_EPOCH", str(SAVE_EPOCH))
     .replace("MAX_STEPS", str(MAX_STEPS))
 )
 SCRIPT = SCRIPT.replace("HEARTBEAT_TIMEOUT_SECONDS", str(HEARTBEAT_TIMEOUT_SECONDS))
@@ -141,6 +159,34 @@ def test_killed_rank_stops_the_others_within_seconds_and_fit_resumes_exactly(tmp
     for name in KILLED:
         weights = torch.load(tmp_path / f"{name}-weights.pt")
         # Same data order, RNG (dropout), LR schedule and optimizer state after the resume: bit for bit.
+        torch.testing.assert_close(weights["resumed"], weights["uninterrupted"], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_rank_killed_while_writing_shards_leaves_the_previous_checkpoint_last_and_resume_is_exact(tmp_path):
+    for name in KILLED:
+        returncode, output, _, failing = _launch(tmp_path, "kill_in_save", name)
+        assert failing is not None, output[-4000:]
+        assert returncode != 0 and "UNREACHABLE" not in output, output[-4000:]
+        directory = tmp_path / name
+        # The cut-short save left nothing that looks like a checkpoint: no file (its rename is the commit), no
+        # shards directory outside the staging area; the previous checkpoint and `last` are whole.
+        files = sorted(path.name for path in directory.glob("*.ckpt"))
+        assert files == ["epoch=1-step=4.ckpt", "last.ckpt"], (name, files)
+        for checkpoint in files:
+            shards = [path.name for path in (directory / f"{checkpoint}.shards").iterdir()]
+            assert [entry for entry in shards if not entry.startswith(".partial")], (name, checkpoint, shards)
+            assert len([entry for entry in shards if not entry.startswith(".partial")]) == 1, (name, shards)
+        saved = torch.load(directory / "last.ckpt", map_location="cpu", weights_only=False)
+        assert saved["global_step"] == 4, (name, saved["global_step"])
+        # ModelCheckpoint's own bookkeeping in `last` names only checkpoints that exist.
+        state = next(value for key, value in saved["callbacks"].items() if key.startswith("ModelCheckpoint"))
+        for path in [state["best_model_path"], state["last_model_path"], *state.get("best_k_models", {})]:
+            assert not path or (directory / os.path.basename(path)).is_file(), (name, path)
+    returncode, output, _, _ = _launch(tmp_path, "resume", ",".join(KILLED), timeout=300)
+    assert returncode == 0, output[-6000:]
+    for name in KILLED:
+        weights = torch.load(tmp_path / f"{name}-weights.pt")
         torch.testing.assert_close(weights["resumed"], weights["uninterrupted"], rtol=0, atol=0, msg=name)
 
 
