@@ -61,7 +61,7 @@ class CheckpointView:
         placement = self.plan.placements.get(key)
         if placement is None or self.context.tp_size == 1:
             return local
-        if placement.fused_parts > 1:
+        if placement.is_fused:
             return self._gathered_whole(local, local, placement, None)
         return describe_shard(local, placement, self.groups.tp_mesh, self.names.full_shapes[key])
 
@@ -134,7 +134,7 @@ class CheckpointView:
             return sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
         if entry.spec.replicated:
             return value
-        if placement.fused_parts > 1:
+        if placement.is_fused:
             rows = sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
             tensor_parallel_shard = rows.full_tensor() if isinstance(rows, DTensor) else rows
             return self._gathered_whole(tensor_parallel_shard, value, placement, entry.spec)

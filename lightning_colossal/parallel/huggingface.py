@@ -319,6 +319,8 @@ def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
 def huggingface_policies() -> list[ModelPolicy]:
     from lightning_colossal.parallel.bert_policy import BertPolicy
     from lightning_colossal.parallel.gpt2_policy import GPT2Policy
+    from lightning_colossal.parallel.huggingface_families import FamilyPlanPolicy
 
-    # Model-specific policies first: GPT-2 and BERT carry no tensor-parallel plan of their own.
-    return [GPT2Policy(), BertPolicy(), HuggingFacePlanPolicy()]
+    # Model-specific policies first: GPT-2 and BERT carry no tensor-parallel plan of their own, and the family plans
+    # cover families without one (OPT, Bloom, ...) or whose own plan's styles are not applied here (Phi-3).
+    return [GPT2Policy(), BertPolicy(), FamilyPlanPolicy(), HuggingFacePlanPolicy()]

@@ -6,7 +6,9 @@ relative to the LightningModule), and how Hugging Face models that carry their o
 component (a layer index). Two more styles split nothing but say how a whole module's gradient is reduced (see
 [Note: replicated parameters in tensor-parallel regions] in ``policy.py``): ``"replicated_with_grad_allreduce"``
 (applied to this rank's slice of split features, like Qwen3's per-head ``q_norm``: gradients summed over the
-tensor-parallel ranks) and ``"replicate"`` (sees the whole input: nothing to do). Other styles (e.g. Hugging Face's
+tensor-parallel ranks) and ``"replicate"`` (sees the whole input: nothing to do). Built-in family plans
+(``huggingface_families.py``) add ``FusedColumns`` (a fused projection split block by block) and ``"colwise"`` on an
+``nn.Embedding`` (its embedding dimension split: T5's per-head position bias). Other styles (e.g. Hugging Face's
 ``colwise_gather_output``, whose outputs are gathered) are left unsplit with a warning: a whole layer on whole
 inputs stays correct, only less of the model is sharded; one left whole inside a tensor-parallel region is refused.
 Plans give tensor parallelism only; pipelines and sequence parallelism need a policy that knows the model's
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_colossal.parallel.policy import (
@@ -28,7 +32,12 @@ from lightning_colossal.parallel.policy import (
     refuse_sequence_parallel,
     row_parallel,
 )
-from lightning_colossal.parallel.tensor_parallel import ParallelContext
+from lightning_colossal.parallel.tensor_parallel import (
+    LocalColumnsLinear,
+    ParallelContext,
+    TensorParallelPlacement,
+    shard_of,
+)
 
 SPLIT_STYLES = ("colwise", "rowwise")
 #: Whole modules whose gradient is a partial sum over the tensor-parallel ranks (Hugging Face's name).
@@ -38,17 +47,107 @@ REPLICATE_STYLE = "replicate"
 APPLIED_STYLES = (*SPLIT_STYLES, PARTIAL_GRADIENT_STYLE, REPLICATE_STYLE)
 
 
-def _pattern(plan_key: str) -> re.Pattern[str]:
+def module_pattern(plan_key: str) -> re.Pattern[str]:
     return re.compile(
         "^" + r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in plan_key.split(".")) + "$"
     )
+
+
+@dataclass(frozen=True)
+class FusedColumns:
+    """Style of a column-parallel ``nn.Linear`` whose outputs are consecutive blocks of these relative sizes.
+
+    A contiguous split would give rank 0 all the queries and rank 1 the keys and values; instead each block is
+    split on its own, so every rank holds its share of each (Phi-3's ``qkv_proj`` ``[q][k][v]``:
+    ``FusedColumns((heads, kv_heads, kv_heads))``; ``gate_up_proj`` ``[gate][up]``: ``FusedColumns((1, 1))``).
+    ``whole`` marks blocks every rank needs in full (Falcon's one shared key/value head under multi-query
+    attention): the layer then stays whole on every rank, keeps only the outputs this rank uses, and its gradient
+    is summed over the tensor-parallel ranks (see ``LocalColumnsLinear``).
+    """
+
+    blocks: tuple[int, ...]
+    whole: tuple[bool, ...] = ()
+
+    def __str__(self) -> str:
+        return f"FusedColumns({self.blocks}, whole={self.whole})"
+
+
+def _applied(style: str | FusedColumns) -> bool:
+    return isinstance(style, FusedColumns) or style in APPLIED_STYLES
+
+
+def _apply_style(
+    model: nn.Module,
+    name: str,
+    module: nn.Module,
+    style: str | FusedColumns,
+    context: ParallelContext,
+    plan: ParallelPlan,
+) -> int:
+    """Apply one plan entry to ``module`` (named ``name`` in ``model``); 1 if it split the module, else 0."""
+    # The module's own parameters only (as Hugging Face's styles): a child may be split by another rule.
+    if style == PARTIAL_GRADIENT_STYLE:
+        plan.add_partial_gradients(module.parameters(recurse=False))
+        return 0
+    if style == REPLICATE_STYLE:
+        plan.replicated.extend(module.parameters(recurse=False))
+        return 0
+    if is_lora_layer(module) and not isinstance(style, FusedColumns):
+        split_lora_layer(name, module, style, context, plan)
+        return 1
+    if isinstance(module, nn.Embedding) and style == "colwise":
+        split_embedding_columns(module, context, plan)
+        return 1
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"The plan splits {name!r} ({type(module).__name__}) as {style}; only nn.Linear (or a peft LoRA layer"
+            " wrapping one, for 'colwise'/'rowwise'; or an nn.Embedding, for 'colwise') can be split."
+        )
+    parent_name, _, attribute = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(style, FusedColumns):
+        setattr(parent, attribute, fused_column_parallel(module, style, context, plan))
+    else:
+        split = column_parallel if style == "colwise" else row_parallel
+        setattr(parent, attribute, split(module, context, plan))
+    return 1
+
+
+def fused_column_parallel(
+    linear: nn.Linear, style: FusedColumns, context: ParallelContext, plan: ParallelPlan
+) -> nn.Module:
+    """A fused projection split block by block (see ``FusedColumns``)."""
+    if not any(style.whole):
+        return column_parallel(linear, context, plan, fused_blocks=style.blocks)
+    lengths = TensorParallelPlacement(0, fused_blocks=style.blocks).block_lengths(linear.out_features)
+    columns, start = [], 0
+    for length, whole in zip(lengths, style.whole, strict=True):
+        if not whole and length % context.tp_size:
+            raise ValueError(f"A block of {length} output features does not split over tp_size={context.tp_size}.")
+        piece = length if whole else length // context.tp_size
+        first = start if whole else start + context.tp_rank * piece
+        columns.append(torch.arange(first, first + piece))
+        start += length
+    layer = LocalColumnsLinear(linear.weight, linear.bias, torch.cat(columns), context)
+    plan.add_partial_gradients(layer.parameters())
+    return layer
+
+
+def split_embedding_columns(embedding: nn.Embedding, context: ParallelContext, plan: ParallelPlan) -> None:
+    """Keep this rank's columns of an ``nn.Embedding`` in place: its output is this rank's slice of the features,
+    as a column-parallel layer's (T5's relative position bias: one column per attention head)."""
+    placement = TensorParallelPlacement(1)
+    shard = shard_of(embedding.weight.detach(), placement, context.tp_rank, context.tp_size).clone()
+    embedding.weight = nn.Parameter(shard, requires_grad=embedding.weight.requires_grad)
+    embedding.embedding_dim = shard.shape[1]
+    plan.record(embedding.weight, placement)
 
 
 class PlanPolicy(ModelPolicy):
     """Split the ``nn.Linear`` modules a plan names.
 
     Args:
-        plan: module-name pattern -> ``"colwise"`` or ``"rowwise"``.
+        plan: module-name pattern -> ``"colwise"``, ``"rowwise"``, ``FusedColumns(...)`` or a gradient style.
         prefix: prepended to every pattern (the path from the parallelised module to the plan's root).
         heads: ``(what, count)`` pairs that must divide by the tensor-parallel size (attention heads).
         origin: where the plan comes from, for errors (``None``: the user's ``policy=`` dict); ``fix``: what to do
@@ -59,7 +158,7 @@ class PlanPolicy(ModelPolicy):
 
     def __init__(
         self,
-        plan: dict[str, str],
+        plan: dict[str, str | FusedColumns],
         prefix: str = "",
         heads: tuple[tuple[str, int], ...] = (),
         origin: str | None = None,
@@ -85,40 +184,19 @@ class PlanPolicy(ModelPolicy):
         plan = ParallelPlan()
         if context.tp_size == 1:
             return plan
-        ignored = sorted({style for style in self.plan.values() if style not in APPLIED_STYLES})
+        ignored = sorted({str(style) for style in self.plan.values() if not _applied(style)})
         if ignored:
             warnings.warn(
                 f"Tensor-parallel styles {ignored} are not applied; those modules stay whole (a whole module inside a"
                 " tensor-parallel region is refused).",
                 stacklevel=2,
             )
-        rules = [(_pattern(self.prefix + key), style) for key, style in self.plan.items() if style in APPLIED_STYLES]
+        rules = [(module_pattern(self.prefix + key), style) for key, style in self.plan.items() if _applied(style)]
         matched = 0
         for name, module in list(model.named_modules()):
             style = next((style for pattern, style in rules if pattern.match(name)), None)
-            if style is None:
-                continue
-            # The module's own parameters only (as Hugging Face's styles): a child may be split by another rule.
-            if style == PARTIAL_GRADIENT_STYLE:
-                plan.add_partial_gradients(module.parameters(recurse=False))
-                continue
-            if style == REPLICATE_STYLE:
-                plan.replicated.extend(module.parameters(recurse=False))
-                continue
-            if is_lora_layer(module):
-                split_lora_layer(name, module, style, context, plan)
-                matched += 1
-                continue
-            if not isinstance(module, nn.Linear):
-                raise TypeError(
-                    f"The plan splits {name!r} ({type(module).__name__}); only nn.Linear (or a peft LoRA layer"
-                    " wrapping one) can be split."
-                )
-            parent_name, _, attribute = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            split = column_parallel if style == "colwise" else row_parallel
-            setattr(parent, attribute, split(module, context, plan))
-            matched += 1
+            if style is not None:
+                matched += _apply_style(model, name, module, style, context, plan)
         if matched == 0:
             raise ValueError(self._nothing_split_message(model, ignored))
         check_tensor_parallel_regions(model, plan, self._how_to_declare)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_colossal.parallel.tensor_parallel import (
     ColumnParallelLinear,
+    LocalColumnsLinear,
     ParallelContext,
     RowParallelLinear,
     TensorParallelPlacement,
@@ -124,16 +125,22 @@ def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def column_parallel(
-    linear: nn.Module, context: ParallelContext, plan: ParallelPlan, transposed: bool = False, fused_parts: int = 1
+    linear: nn.Module,
+    context: ParallelContext,
+    plan: ParallelPlan,
+    transposed: bool = False,
+    fused_parts: int = 1,
+    fused_blocks: tuple[int, ...] = (),
 ) -> nn.Module:
     """Replace a Linear (or ``[in, out]`` Conv1D when ``transposed``) by its column-parallel shard.
 
     ``fused_parts`` > 1: the output features are that many equal blocks (GPT-2's fused q, k, v), each split on its
-    own, so every rank holds its share of each block (its heads' q, k and v), in block order.
+    own, so every rank holds its share of each block (its heads' q, k and v), in block order. ``fused_blocks``: the
+    same for blocks of these relative sizes (Phi-3's ``[q][k][v]`` with fewer key/value heads).
     """
     dim = 1 if transposed else 0
-    placement = TensorParallelPlacement(dim, fused_parts)
-    bias_placement = TensorParallelPlacement(0, fused_parts)
+    placement = TensorParallelPlacement(dim, fused_parts, fused_blocks)
+    bias_placement = TensorParallelPlacement(0, fused_parts, fused_blocks)
     weight = _shard_clone(linear.weight, placement, context)
     bias = None if getattr(linear, "bias", None) is None else _shard_clone(linear.bias, bias_placement, context)
     layer = ColumnParallelLinear(weight, bias, context, transposed=transposed)
@@ -165,7 +172,8 @@ def check_tensor_parallel_regions(
     """Refuse whole parameters left inside a tensor-parallel region without a word on their gradient (see [Note:
     replicated parameters in tensor-parallel regions]); ``how_to_declare(names)`` says how this policy's user
     declares them."""
-    accounted = {id(parameter) for parameter in [*plan.partial_gradients, *plan.replicated]}
+    # Split parameters (placements) hold only this rank's heads/features: their gradients are complete.
+    accounted = {id(parameter) for parameter in [*plan.partial_gradients, *plan.replicated]} | set(plan.placements)
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             # Split weights, and a row-parallel bias, which is added once after the sum (replicated input).
@@ -174,7 +182,7 @@ def check_tensor_parallel_regions(
     for region_name, region in model.named_modules():
         if not any(isinstance(child, RowParallelLinear) for child in region.children()):
             continue
-        if not any(isinstance(module, ColumnParallelLinear) for module in region.modules()):
+        if not any(isinstance(module, (ColumnParallelLinear, LocalColumnsLinear)) for module in region.modules()):
             continue
         for name, parameter in region.named_parameters():
             if id(parameter) not in accounted:

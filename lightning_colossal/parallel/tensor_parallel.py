@@ -39,10 +39,31 @@ class TensorParallelPlacement:
         dim: the parameter dimension that is split.
         fused_parts: the dimension holds this many equal blocks (e.g. GPT-2's q, k and v), each split on its own;
             the shard is then not one contiguous piece of the whole tensor.
+        fused_blocks: the dimension holds blocks of these relative sizes, each split on its own (Phi-3's fused
+            ``[q][k][v]`` under grouped-query attention: blocks ``(heads, kv_heads, kv_heads)``); overrides
+            ``fused_parts``.
     """
 
     dim: int
     fused_parts: int = 1
+    fused_blocks: tuple[int, ...] = ()
+
+    @property
+    def is_fused(self) -> bool:
+        """Whether the shard is several pieces of the whole tensor (not one contiguous slice)."""
+        return len(self.relative_blocks) > 1
+
+    @property
+    def relative_blocks(self) -> tuple[int, ...]:
+        return self.fused_blocks or (1,) * self.fused_parts
+
+    def block_lengths(self, length: int) -> list[int]:
+        """The lengths, along ``dim``, of the blocks of a tensor that is ``length`` long there."""
+        blocks = self.relative_blocks
+        unit, remainder = divmod(length, sum(blocks))
+        if remainder:
+            raise ValueError(f"dimension {self.dim} of size {length} does not hold fused blocks of sizes {blocks}.")
+        return [block * unit for block in blocks]
 
 
 @dataclass(frozen=True)
@@ -82,13 +103,14 @@ def shard_of(full: Tensor, placement: TensorParallelPlacement, rank: int, size: 
     """This rank's piece of a whole tensor (a view where the piece is contiguous along ``dim``)."""
     if size == 1:
         return full
-    length = full.shape[placement.dim]
-    if length % (size * placement.fused_parts) != 0:
+    lengths = placement.block_lengths(full.shape[placement.dim])
+    if any(length % size for length in lengths):
+        fused = f" of fused blocks {lengths}" if placement.is_fused else ""
         raise ValueError(
-            f"dimension {placement.dim} of size {length} does not split into {size} tensor-parallel shards"
-            f"{f' of {placement.fused_parts} fused blocks' if placement.fused_parts > 1 else ''}."
+            f"dimension {placement.dim} of size {full.shape[placement.dim]}{fused} does not split into {size}"
+            " tensor-parallel shards."
         )
-    blocks = full.chunk(placement.fused_parts, dim=placement.dim)
+    blocks = full.split(lengths, dim=placement.dim)
     pieces = [block.chunk(size, dim=placement.dim)[rank] for block in blocks]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=placement.dim)
 
@@ -99,21 +121,21 @@ def full_from_shards(local: Tensor, placement: TensorParallelPlacement, group: P
     if size == 1:
         return local
     gathered = collectives.gather_along(local.detach().contiguous(), placement.dim, group)
-    if placement.fused_parts == 1:
+    if not placement.is_fused:
         return gathered
     # Rank-major [rank][block] back to block-major [block][rank].
     per_rank = gathered.chunk(size, dim=placement.dim)
-    blocks = [piece.chunk(placement.fused_parts, dim=placement.dim) for piece in per_rank]
-    return torch.cat(
-        [blocks[rank][part] for part in range(placement.fused_parts) for rank in range(size)], placement.dim
-    )
+    local_lengths = placement.block_lengths(local.shape[placement.dim])
+    blocks = [piece.split(local_lengths, dim=placement.dim) for piece in per_rank]
+    parts = range(len(local_lengths))
+    return torch.cat([blocks[rank][part] for part in parts for rank in range(size)], placement.dim)
 
 
 def describe_shard(
     local: Tensor, placement: TensorParallelPlacement, mesh: DeviceMesh, full_shape: torch.Size
 ) -> Tensor:
     """This rank's contiguous piece as a ``DTensor`` of the whole tensor (what DCP saves and reshards)."""
-    assert placement.fused_parts == 1, (
+    assert not placement.is_fused, (
         "fused parameters are saved whole (checkpoint_view.py [Note: fused shards are saved whole])"
     )
     return piece_of_whole(local, mesh, [Shard(placement.dim)], full_shape)
@@ -170,6 +192,30 @@ class RowParallelLinear(nn.Module):
         else:
             output = differentiable.reduce_from_group(partial, self.context.tp_group)
         return output if self.bias is None else output + self.bias
+
+
+class LocalColumnsLinear(nn.Module):
+    """A whole ``y = x A^T + b`` on every rank that computes only the output features this rank uses (``columns``).
+
+    For a fused projection some of whose blocks every rank needs whole: Falcon's multi-query ``[q heads][k][v]``,
+    where each rank runs its share of the query heads against the one shared key/value head. The weight is not
+    split; each rank's gradient holds its own query rows and its heads' part of the key/value rows, so the policy
+    declares it partial (summed over the tensor-parallel ranks), and the input gradient is summed here in backward,
+    as a column-parallel layer's is.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, columns: Tensor, context: ParallelContext) -> None:
+        super().__init__()
+        self.weight = _as_parameter(weight)
+        self.bias = None if bias is None else _as_parameter(bias)
+        self.context = context
+        # Not persistent: the checkpoint holds the whole weight under its own name, nothing of this layer's own.
+        self.register_buffer("columns", columns.to(self.weight.device), persistent=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = differentiable.copy_to_group(hidden, self.context.tp_group)
+        bias = None if self.bias is None else self.bias.index_select(0, self.columns)
+        return F.linear(hidden, self.weight.index_select(0, self.columns), bias)
 
 
 class VocabParallelEmbedding(nn.Module):

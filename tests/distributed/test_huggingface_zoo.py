@@ -250,14 +250,9 @@ def make_strategy(name: str, family: str) -> Any:
 
 # Families the hybrid strategy refuses before training, with the exception and the fix its message names.
 REFUSED_BY_HYBRID: dict[str, tuple[type[Exception], str]] = {
-    # A base_model_tp_plan whose styles the plan policy does not apply (fused q/k/v and gate/up, packed experts).
-    "phi3": (ValueError, r"colwise_gather_output.*Train it with tp_size=1"),
+    # Packed experts (3-D gate_up_proj/down_proj) and q/k norms over all heads: its base_model_tp_plan's styles
+    # gather outputs and split packed tensors, which the plan policy does not apply.
     "olmoe": (ValueError, r"moe_tp_experts.*Train it with tp_size=1"),
-    # No tensor-parallel plan and no built-in policy.
-    **{
-        family: (TypeError, r"knows how to split.*pass `policy=\{.*ModelPolicy")
-        for family in ("opt", "falcon", "bloom", "t5", "switch_transformers", "vit")
-    },
 }
 # Experts that get no token on a rank: DistributedDataParallel's error names the fix.
 UNUSED_PARAMETERS = {"switch_transformers"}

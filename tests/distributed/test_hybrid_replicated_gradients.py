@@ -167,6 +167,8 @@ CASES_2 = {
     "gemma3_tp2_sgd": ("gemma3", "sgd", {"tp_size": 2}),
     "llama_tp2_sgd": ("llama", "sgd", {"tp_size": 2}),
     "olmo2_tp2_sgd": ("olmo2", "sgd", {"tp_size": 2}),
+    # Fused [q][k][v] and [gate][up], split block by block by the built-in family plan (was refused).
+    "phi3_tp2_adamw": ("phi3", "adamw", {"tp_size": 2}),
 }
 
 
@@ -184,8 +186,6 @@ def test_qwen3_tp2_dp2_zero1_matches_oracle(rank_pool_4):
 
 
 REFUSED = {
-    # Fused q/k/v and gate/up projections with output-gathering styles the policy does not apply.
-    "phi3": ("colwise_gather_output", "tp_size=1"),
     # Experts stored as 3-D parameters ("packed_colwise", "moe_tp_experts").
     "olmoe": ("moe_tp_experts", "tp_size=1"),
 }
