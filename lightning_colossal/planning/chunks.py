@@ -1,0 +1,76 @@
+"""Gemini's chunks for a list of parameter shapes, laid out and placed by the engine's own pure functions.
+
+``GeminiEngine`` searches the chunk size (``search_chunk_numel`` with ``GeminiConfig``'s defaults), packs the
+parameters in registration order (``build_layout``) and places chunks by their bytes (``static_plan``); calling the
+same functions gives the planner the engine's exact shard sizes and placement, also for partial offload fractions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_colossal.planning.settings import Setting
+
+__all__ = ["ChunkShape", "chunk_layout"]
+
+
+@dataclass(frozen=True)
+class ChunkShape:
+    """One chunk as one rank holds it.
+
+    Args:
+        numel: elements of the gathered chunk (its members, whole).
+        shard_numel: elements of this rank's shard (its rows of every member).
+        tensors: parameters in the chunk.
+        optimizer_offloaded: master, gradient shard and optimizer state in host memory.
+        parameters_offloaded: the working shard waits in host memory between uses.
+    """
+
+    numel: int
+    shard_numel: int
+    tensors: int
+    optimizer_offloaded: bool
+    parameters_offloaded: bool
+
+
+@functools.lru_cache(maxsize=8)
+def _chunk_capacity(numels: tuple[int, ...]) -> int:
+    """The chunk size ``GeminiEngine`` searches with ``GeminiConfig``'s defaults (cached: a plan asks for it several
+    times, and the search packs the model once per candidate size)."""
+    from lightning_colossal.config import GeminiConfig
+    from lightning_colossal.gemini.layout import search_chunk_numel
+
+    config = GeminiConfig()
+    choice = search_chunk_numel(
+        list(numels), config.min_chunk_numel, config.search_range_numel, config.search_step_numel
+    )
+    return choice.chunk_numel
+
+
+def chunk_layout(
+    shapes: Sequence[tuple[int, ...]], parameter_bytes: int, setting: Setting, world_size: int, rank: int
+) -> list[ChunkShape]:
+    """The chunks ``GeminiEngine`` builds for trainable parameters of ``shapes`` (in order) under ``setting``."""
+    from lightning_colossal.config import StaticPlacement
+    from lightning_colossal.gemini.layout import build_layout
+    from lightning_colossal.gemini.placement import static_plan
+
+    capacity = _chunk_capacity(tuple(math.prod(shape) for shape in shapes))
+    specs = build_layout([(str(index), shape) for index, shape in enumerate(shapes)], capacity, world_size, rank)
+    placement = StaticPlacement(
+        offload_optim_frac=1.0 if setting.offload else 0.0, offload_param_frac=setting.offload_parameters
+    )
+    plan = static_plan([spec.numel * parameter_bytes for spec in specs], placement)
+    return [
+        ChunkShape(
+            numel=spec.numel,
+            shard_numel=spec.shard_numel,
+            tensors=len(spec.members),
+            optimizer_offloaded=spec.index in plan.offload_optimizer,
+            parameters_offloaded=spec.index in plan.offload_parameters,
+        )
+        for spec in specs
+    ]

@@ -1,0 +1,128 @@
+"""The strategies and settings the planner weighs, in the order it prefers them when several fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_colossal.planning.model_shape import ModelShape
+
+__all__ = [
+    "Setting",
+    "hybrid_settings",
+    "offload_settings",
+    "setting_named",
+    "standard_settings",
+    "tensor_parallel_sizes",
+]
+
+Family = Literal["ddp", "zero", "gemini", "fsdp", "hybrid"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One strategy with one setting.
+
+    Args:
+        label: what the report calls it (the registered strategy name, with the tp size for hybrid).
+        family: which engine runs it.
+        how: how to ask for it in a ``Trainer``.
+        zero_stage: ZeRO stage (zero family; hybrid's ``zero_stage``).
+        offload: optimizer state (and for FSDP, parameters) in host memory.
+        offload_parameters: Gemini's ``offload_param_frac`` (parameter shards in host memory too).
+        tp_size: tensor-parallel ranks (hybrid).
+        why_prefer: what this setting is good at, for the recommendation.
+    """
+
+    label: str
+    family: Family
+    how: str
+    zero_stage: int = 0
+    offload: bool = False
+    offload_parameters: float = 0.0
+    tp_size: int = 1
+    why_prefer: str = ""
+
+
+def _named(name: str, family: Family, why: str, **fields: object) -> Setting:
+    return Setting(label=name, family=family, how=f'Trainer(strategy="{name}")', why_prefer=why, **fields)  # type: ignore[arg-type]
+
+
+def standard_settings() -> list[Setting]:
+    """The registered strategies without model parallelism, most preferred first (least communication and
+    host traffic first; docs/choosing-a-strategy.md, decision table)."""
+    return [
+        _named("colossal_ddp", "ddp", "least communication, exact local clipping"),
+        _named("colossal_zero1", "zero", "one parameter exchange per step, no per-micro-batch traffic", zero_stage=1),
+        _named("colossal_zero2", "zero", "gradients sharded too, parameters never gathered", zero_stage=2),
+        _named("colossal_fsdp", "fsdp", "everything sharded, one block gathered at a time"),
+        _named("colossal_gemini", "gemini", "everything sharded in chunks, with placement knobs"),
+    ]
+
+
+def offload_settings() -> list[Setting]:
+    """The settings that keep optimizer state in host memory and step there (slower steps), most preferred first."""
+    fully_offloaded = "GeminiStrategy(placement=StaticPlacement(shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0))"
+    return [
+        _named("colossal_zero1_offload", "zero", "optimizer on the host, parameters whole", zero_stage=1, offload=True),
+        _named(
+            "colossal_zero2_offload", "zero", "optimizer on the host, gradients sharded", zero_stage=2, offload=True
+        ),
+        _named(
+            "colossal_gemini_offload", "gemini", "optimizer on the host, parameter shards on the device", offload=True
+        ),
+        _named("colossal_fsdp_offload", "fsdp", "all model state on the host", offload=True),
+        Setting(
+            label="colossal_gemini (all offloaded)",
+            family="gemini",
+            how=fully_offloaded,
+            offload=True,
+            offload_parameters=1.0,
+            why_prefer="all model state on the host, only gathered chunks on the device",
+        ),
+    ]
+
+
+def tensor_parallel_sizes(model: ModelShape, devices_per_node: int) -> list[int]:
+    """tp sizes above 1 that split the heads, the kv heads (and the vocabulary for vocabulary-parallel policies)
+    evenly and stay inside one node (tensor parallelism communicates every layer)."""
+    architecture = model.architecture
+    sizes = []
+    for size in range(2, devices_per_node + 1):
+        divides = devices_per_node % size == 0 and architecture.heads % size == 0
+        divides = divides and architecture.kv_heads % size == 0
+        if architecture.vocab_parallel:
+            divides = divides and architecture.vocab % size == 0
+        if divides:
+            sizes.append(size)
+    return sizes
+
+
+def hybrid_settings(model: ModelShape, devices_per_node: int) -> list[Setting]:
+    """``colossal_hybrid`` with each usable tp size and ZeRO-1 over the data-parallel rest (empty when no policy
+    splits the model)."""
+    if model.architecture.tensor_parallel_policy is None:
+        return []
+    return [
+        Setting(
+            label=f"colossal_hybrid tp={size} zero1",
+            family="hybrid",
+            how=f"HybridParallelStrategy(tp_size={size}, zero_stage=1)",
+            zero_stage=1,
+            tp_size=size,
+            why_prefer="splits the layers and their activations over the node's devices",
+        )
+        for size in tensor_parallel_sizes(model, devices_per_node)
+    ]
+
+
+def setting_named(label: str) -> Setting:
+    """The standard or offload setting called ``label`` (a registered strategy name, e.g. ``"colossal_zero2"``).
+
+    Raises:
+        ValueError: no such setting, naming the known ones.
+    """
+    known = {setting.label: setting for setting in standard_settings() + offload_settings()}
+    if label not in known:
+        raise ValueError(f"{label!r} is not a setting the planner weighs; pass one of {', '.join(sorted(known))}.")
+    return known[label]

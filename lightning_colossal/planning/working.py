@@ -1,0 +1,87 @@
+"""Working memory on top of model state: buffers that exist while a step runs (estimates, not exact).
+
+- ``colossal_ddp``: torch DDP's reducer keeps its own gradient buckets, one copy of every gradient, unless
+  ``gradient_as_bucket_view=True`` (off by default in ``ColossalDDPStrategy``); ``MemoryMonitor`` counts ``.grad``
+  only, so this copy is easy to miss.
+- ZeRO: pooled communication buffers (``zero/stages.py`` [Note: bounded staging]): stage 2 keeps up to two buckets in
+  flight, each staged rank-major as ``world_size`` slots of a bucket, plus one for the parameter exchange; stage 1
+  reduces in the gradients themselves and needs about two buckets for the exchange.
+- Gemini: the gathered chunks in use (about two: the one computing and the one whose gradients are being reduced) and
+  one chunk's fp32 full gradient (``gemini/manager.py``; ``max_prefetch`` adds more, 0 by default).
+- FSDP2: the root unit (everything outside the blocks: embeddings, final norm, head) stays gathered for the whole step
+  with its unsharded gradient, plus two blocks' gathered parameters (the one running and the prefetched one) and one
+  block's unsharded gradient; mixed precision gathers in the compute dtype and reduces in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_colossal.distributed.rows import shard_spec
+from lightning_colossal.planning.chunks import chunk_layout
+from lightning_colossal.planning.model_shape import ModelShape
+from lightning_colossal.planning.model_state import FP32, Placed, Training
+from lightning_colossal.planning.settings import Setting
+
+__all__ = ["Working", "working_memory"]
+
+# Mirrors MAX_STAGE2_BUCKETS_IN_FLIGHT in lightning_colossal/zero/stages.py (tests/unit/test_plan.py checks it).
+STAGE2_BUCKETS_IN_FLIGHT = 2
+
+
+@dataclass(frozen=True)
+class Working:
+    """Working memory of one rank and what it is."""
+
+    placed: Placed
+    what: str
+
+
+def _zero_buffers(shapes: Sequence[tuple[int, ...]], training: Training, stage: int, world_size: int) -> Working:
+    from lightning_colossal.config import ZeroConfig
+
+    bucket = int(ZeroConfig().bucket_size_mb * 2**20 / FP32)  # the engine's bucket_numel
+    width = training.parameter_bytes
+    if stage == 1:
+        filled = min(bucket + max(math.prod(shape) for shape in shapes), sum(math.prod(shape) for shape in shapes))
+        return Working(Placed(device=2 * filled * width), "about 2 buckets for the parameter exchange")
+    slots = [shard_spec(shape, world_size, 0).slot_numel for shape in shapes]
+    filled = min(bucket + max(slots), sum(slots))
+    staging = (STAGE2_BUCKETS_IN_FLIGHT + 1) * world_size * filled * width
+    return Working(Placed(device=staging), f"{STAGE2_BUCKETS_IN_FLIGHT + 1} rank-major staging buckets")
+
+
+def _gemini_buffers(
+    shapes: Sequence[tuple[int, ...]], training: Training, setting: Setting, world_size: int
+) -> Working:
+    chunks = chunk_layout(shapes, training.parameter_bytes, setting, world_size, 0)
+    largest = max(chunk.numel for chunk in chunks)
+    size = 2 * largest * training.parameter_bytes + FP32 * largest
+    return Working(Placed(device=size), f"2 gathered chunks of {largest:,} elements + 1 fp32 full gradient")
+
+
+def _fsdp_buffers(model: ModelShape, training: Training) -> Working:
+    gathered = 2 if training.mixed else training.parameter_bytes
+    reduced = FP32 if training.mixed else training.parameter_bytes
+    blocks = model.block_numels()
+    root = model.numel - sum(blocks)
+    block = max(blocks, default=0)
+    size = root * (gathered + reduced) + 2 * block * gathered + block * reduced
+    return Working(Placed(device=size), "root unit gathered + 2 blocks gathered + 1 block's gradient")
+
+
+def working_memory(model: ModelShape, setting: Setting, training: Training, world_size: int) -> Working:
+    """Estimated working memory of the fullest rank under ``setting`` (``world_size``: data-parallel ranks)."""
+    if setting.family == "ddp":
+        return Working(
+            Placed(device=model.numel * training.parameter_bytes), "DDP's gradient buckets (gradient_as_bucket_view)"
+        )
+    if setting.family == "zero":
+        return _zero_buffers(model.shapes, training, setting.zero_stage, world_size)
+    if setting.family == "hybrid":
+        return _zero_buffers(model.tensor_parallel_shapes(setting.tp_size), training, setting.zero_stage, world_size)
+    if setting.family == "gemini":
+        return _gemini_buffers(model.shapes, training, setting, world_size)
+    return _fsdp_buffers(model, training)
