@@ -89,8 +89,22 @@ class DemoCLI(LightningCLI):
         rank_zero_info(run_summary(self.trainer))
 
 
-def run_summary(trainer: Trainer) -> str:
-    """Where a finished demo run left its checkpoint, logs and metrics, and the commands that use them."""
+def run_summary(
+    trainer: Trainer,
+    command: str = "python -m lightning_colossal.demo",
+    module: str = "GPTLightningModule (lightning_colossal.demo.module)",
+    export: str = "model.safetensors",
+    other_modes: str = "--trainer.strategy=colossal_zero2 | colossal_gemini | colossal_fsdp, or --config"
+    " examples/colossal_hybrid.yaml",
+) -> str:
+    """Where a finished run left its checkpoint, logs and metrics, and the commands that use them.
+
+    Args:
+        command: the command that ran (its ``fit`` resumes).
+        module: the LightningModule class that loads the checkpoint, and its module.
+        export: the arguments after the checkpoint path in the export command.
+        other_modes: how to run the same with other strategies.
+    """
     lines = ["", "Finished. Outputs:"]
     checkpoint = trainer.checkpoint_callback
     last = getattr(checkpoint, "last_model_path", "") or getattr(checkpoint, "best_model_path", "")
@@ -102,13 +116,13 @@ def run_summary(trainer: Trainer) -> str:
         if metrics.is_file():
             lines.append(f"  metrics:    {metrics}")
     if last:
+        class_name, _, module_path = module.partition(" ")
         lines += [
             "Next:",
-            f"  resume:      python -m lightning_colossal.demo fit --ckpt_path {last} --trainer.max_steps {2 * trainer.global_step}",
-            f"  load it:     GPTLightningModule.load_from_checkpoint('{last}')  (lightning_colossal.demo.module)",
-            f"  export:      python -m lightning_colossal.consolidate {last} model.safetensors",
-            "  other modes: --trainer.strategy=colossal_zero2 | colossal_gemini | colossal_fsdp, or"
-            " --config examples/colossal_hybrid.yaml",
+            f"  resume:      {command} fit --ckpt_path {last} --trainer.max_steps {2 * trainer.global_step}",
+            f"  load it:     {class_name}.load_from_checkpoint('{last}')  {module_path}",
+            f"  export:      python -m lightning_colossal.consolidate {last} {export}",
+            f"  other modes: {other_modes}",
         ]
     return "\n".join(lines)
 
