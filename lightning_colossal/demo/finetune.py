@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import ArgsType
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_colossal.demo.cli import limit_cpu_threads, run_summary, trainer_defaults
+from lightning_colossal.demo.cli import DemoCLI, run_summary, trainer_defaults
 from lightning_colossal.demo.data import ByteCorpusDataModule
 
 __all__ = ["CausalLMFineTuning", "main", "tiny_byte_llama"]
@@ -111,15 +111,9 @@ class CausalLMFineTuning(LightningModule):
         )
 
 
-class FinetuneCLI(LightningCLI):
-    """LightningCLI for fine-tuning: one ``block_size`` drives the data windows and the module."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.block_size", "data.block_size")
-
-    def instantiate_classes(self) -> None:
-        super().instantiate_classes()
-        limit_cpu_threads(self.trainer)
+class FinetuneCLI(DemoCLI):
+    """The demo's LightningCLI (one ``block_size`` for data and model, CPU threads shared) over a Hugging Face model;
+    its run summary names this command and the ``--format huggingface`` export."""
 
     def after_fit(self) -> None:
         summary = run_summary(

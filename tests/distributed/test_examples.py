@@ -12,6 +12,18 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 WORLD_SIZE = {"colossal_hybrid": 2}
 
 
+# What every example run overrides: a couple of CPU steps on a little data.
+SHORT_RUN = [
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.val_check_interval=2",
+    "--trainer.enable_progress_bar=false",
+    "--data.batch_size=2",
+    "--data.max_bytes=100000",
+]
+
+
 def run_example_body(config: str, root: str) -> int:
     from lightning_colossal.demo.cli import main
 
@@ -21,17 +33,11 @@ def run_example_body(config: str, root: str) -> int:
             f"--config={config}",
             f"--trainer.default_root_dir={root}",
             f"--trainer.devices={torch.distributed.get_world_size()}",
-            "--trainer.accelerator=cpu",
-            "--trainer.max_steps=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.val_check_interval=2",
-            "--trainer.enable_progress_bar=false",
+            *SHORT_RUN,
             "--model.num_layers=1",
             "--model.embed_dim=32",
             "--model.num_heads=2",
             "--model.block_size=32",
-            "--data.batch_size=2",
-            "--data.max_bytes=100000",
         ]
     )
     return cli.trainer.global_step
@@ -60,14 +66,8 @@ def run_finetune_body(strategy_arguments: list[str], root: str) -> dict[str, flo
             *strategy_arguments,
             f"--trainer.default_root_dir={root}",
             f"--trainer.devices={torch.distributed.get_world_size()}",
-            "--trainer.accelerator=cpu",
-            "--trainer.max_steps=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.val_check_interval=2",
-            "--trainer.enable_progress_bar=false",
+            *SHORT_RUN,
             "--model.block_size=32",
-            "--data.batch_size=2",
-            "--data.max_bytes=100000",
         ]
     )
     return {"steps": cli.trainer.global_step, "loss": float(cli.trainer.callback_metrics["train_loss"])}
