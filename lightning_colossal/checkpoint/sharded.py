@@ -134,7 +134,14 @@ def remove_checkpoint(path: str | Path) -> None:
 def saved_keys(path: str | Path) -> set[str]:
     """The flattened keys (``model.<name>``, ``optimizer_0.state.<name>.exp_avg``, ...) stored in a checkpoint's
     shards; ``path`` is the checkpoint or its DCP directory."""
-    return set(FileSystemReader(str(shard_directory(path))).read_metadata().state_dict_metadata)
+    return set(saved_shapes(path))
+
+
+def saved_shapes(path: str | Path) -> dict[str, torch.Size | None]:
+    """The whole shape of every tensor stored in a checkpoint's shards by flattened key (``None`` for items saved as
+    bytes); ``path`` is the checkpoint or its DCP directory. Reads the index only, not the tensors."""
+    entries = FileSystemReader(str(shard_directory(path))).read_metadata().state_dict_metadata
+    return {key: getattr(entry, "size", None) for key, entry in entries.items()}
 
 
 def shard_directory(path: str | Path) -> Path:

@@ -46,7 +46,7 @@ from lightning_colossal.checkpoint.sharded import (
     load_sharded,
     remove_checkpoint,
     save_sharded,
-    saved_keys,
+    saved_shapes,
 )
 from lightning_colossal.strategies._lightning_private import _collect_rng_states, _set_rng_states, lightning_load
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
@@ -183,11 +183,13 @@ class CheckpointingMixin(ProcessGroupMixin):
     ) -> dict[str, Any]:
         path, shards = files.path, files.shards
         assert shards is not None
-        available = saved_keys(shards)
+        shapes = saved_shapes(shards)
+        available = set(shapes)
         model_state = self.model_state_for_checkpoint()
         _check_model_keys(
             path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict
         )
+        _check_model_shapes(path, model_state, shapes)
         metadata = load_metadata(files, weights_only)
         tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
         optimizers = self.optimizers if fitting else []
@@ -261,4 +263,23 @@ def _check_optimizer_count(path: Path, saved: int, expected: int) -> None:
         raise ValueError(
             f"{path} holds {saved} optimizer(s) but `configure_optimizers` returned {expected}: return the same"
             " optimizers as the run that saved the checkpoint."
+        )
+
+
+def _check_model_shapes(path: Path, model_state: Mapping[str, Any], shapes: Mapping[str, Any]) -> None:
+    """Refuse, before any tensor is read, a checkpoint whose tensors have other whole shapes than this model's under
+    the same names (DCP would stop inside its load plan with a multi-rank traceback and internal key names)."""
+    mismatches = []
+    for name, value in model_state.items():
+        saved = shapes.get(f"{MODEL_KEY}.{name}")
+        # A DTensor's shape is the whole tensor's, as the checkpoint records it; plain tensors are whole.
+        if isinstance(value, Tensor) and saved is not None and tuple(saved) != tuple(value.shape):
+            mismatches.append(f"{name}: {list(saved)} in the checkpoint, {list(value.shape)} in this model")
+    if mismatches:
+        raise ValueError(
+            f"{path} does not fit this model: {'; '.join(mismatches[:5])}{' ...' if len(mismatches) > 5 else ''}."
+            " Build the model with the configuration of the run that saved it, or start from the weights that fit:"
+            " consolidate the checkpoint (`python -m lightning_colossal.consolidate`), drop the entries whose shapes"
+            " differ, load the rest with `LightningModule.load_state_dict(..., strict=False)`, and fit without"
+            " ckpt_path."
         )

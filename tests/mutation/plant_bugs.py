@@ -157,7 +157,7 @@ BUGS = [
                 "self.optimizer_names_and_state(optimizer))",
             ),
             (
-                "lightning_colossal/strategies/base.py",
+                "lightning_colossal/strategies/checkpointing.py",
                 "            self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])",
                 "            pass",
             ),
