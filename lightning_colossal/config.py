@@ -258,6 +258,12 @@ class GeminiConfig:
             elsewhere), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
         init_window_bytes: when the model was built on the meta device, how many bytes of parameters one
             initialisation pass may materialise at once (more passes, less memory).
+        shard_frozen_parameters: parameters with ``requires_grad=False`` (a LoRA model's whole base model) go into
+            chunks of their own and are sharded like the trainable ones, as FSDP2 shards them: without it every rank
+            holds them whole, which defeats ZeRO-3 for fine-tuning a model too large for one device. ``False`` keeps
+            them whole on every rank: for a model that reads a frozen parameter outside the forward of the module
+            that owns it (the hooks gather a chunk only for its owning modules), or a small frozen part whose
+            gathers would cost more than its bytes save.
     """
 
     placement: StaticPlacement | AutoPlacement = StaticPlacement()
@@ -268,6 +274,7 @@ class GeminiConfig:
     max_prefetch: int = 0
     communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto"
     init_window_bytes: int = 2**30
+    shard_frozen_parameters: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, (StaticPlacement, AutoPlacement)):

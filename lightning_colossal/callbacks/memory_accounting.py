@@ -117,7 +117,8 @@ def gemini_model_state_bytes(memory_report: Mapping[str, Any]) -> dict[str, int]
     real chunk tensors instead. Its categories map onto the formula's as follows:
 
     - parameters: the working shards, the fp32 masters when they are separate tensors (they alias an fp32 shard on
-      the same device, and then count 0), and the parameters kept whole outside chunks (frozen ones);
+      the same device, and then count 0; frozen chunks are shards only), and the parameters kept whole outside
+      chunks (``replicated_bytes``);
     - gradients: the fp32 shard gradients (kept allocated between steps);
     - optimizer state: every tensor of the optimizer's state on the masters (Adam's ``step`` scalars included).
 

@@ -71,7 +71,8 @@ class Chunk:
     ``shard`` (working dtype) holds this rank's rows of every member, back to back; it lives at
     ``shard_location`` between uses. ``master`` (fp32) is the optimizer's copy of the same rows at
     ``master_location``; it *is* ``shard`` when both agree in dtype and device. ``gradient`` is the fp32 reduced
-    gradient of the rows, next to the master. ``full`` exists only while gathered, on the compute device.
+    gradient of the rows, next to the master. ``full`` exists only while gathered, on the compute device. A frozen
+    chunk's master is its shard and it never has a gradient (layout.py [Note: frozen chunks]).
     """
 
     spec: ChunkSpec
@@ -95,6 +96,11 @@ class Chunk:
     @property
     def index(self) -> int:
         return self.spec.index
+
+    @property
+    def frozen(self) -> bool:
+        """A chunk of frozen parameters: a shard only (layout.py [Note: frozen chunks])."""
+        return self.spec.frozen
 
     @property
     def masters_alias_shard(self) -> bool:

@@ -46,14 +46,16 @@ class GeminiMemoryReport(NamedTuple):
     chunks: ChunkBytes
     peak_working_set_bytes: int  # most gathered chunks + full gradients held at once so far
     evictions: int  # chunks automatic placement moved off the compute device so far
-    replicated_bytes: int  # parameters outside chunks (frozen ones), whole on every rank
+    replicated_bytes: int  # parameters outside chunks, whole on every rank (see ``_split_parameters``)
     num_parameters: int
     chunk_numel: int
     num_chunks: int
+    frozen_shard_bytes: int  # this rank's shards of frozen chunks (part of ``chunks.shard``)
 
 
 class GeminiEngine:
-    """Shards ``module``'s trainable parameters in chunks over the ranks of ``device_mesh`` and runs them.
+    """Shards ``module``'s parameters in chunks over the ranks of ``device_mesh`` and runs them (frozen ones too:
+    layout.py [Note: frozen chunks]).
 
     Args:
         module: the model (its parameters may live on the meta device: see ``initialise``).
@@ -81,9 +83,12 @@ class GeminiEngine:
         self.world_size = collectives.world_size(self.process_group)
         self.rank = collectives.rank(self.process_group)
         self.compute_device = compute_device
-        chunked, self.replicated = _split_parameters(module, _held_parameters(optimizer, module))
+        trainable, frozen, self.replicated = _split_parameters(
+            module, _held_parameters(optimizer, module), config.shard_frozen_parameters
+        )
+        chunked = trainable + frozen
         self.names_of = _all_names(module)
-        specs = self._lay_out(chunked)
+        specs = self._lay_out(trainable, frozen)
         self.auto = isinstance(config.placement, AutoPlacement)
         # Gradient reductions get their own group: see manager.py [Note: two groups].
         self.reduce_group = collectives.new_group_like(self.process_group, timeout) if self.world_size > 1 else None
@@ -102,13 +107,19 @@ class GeminiEngine:
             for position, parameter in enumerate(chunk.parameters)
         }
         self._fill_shards()
+        # What the optimizer steps, clipping sees and optimizer checkpoints name: the trainable chunks only.
         self.sharded_masters = [
             ShardedMaster(member.name, member.spec, view)
             for chunk in self.manager.chunks
+            if not chunk.frozen
             for member, view in zip(chunk.spec.members, chunk.master_views, strict=True)
         ]
         if optimizer is not None:
-            masters = {key: chunk.master_views[position] for key, (chunk, position) in self.chunk_of.items()}
+            masters = {
+                key: chunk.master_views[position]
+                for key, (chunk, position) in self.chunk_of.items()
+                if not chunk.frozen
+            }
             optimizer_takeover.swap_parameters(optimizer, masters)
         self.tracer = MemoryTracer(compute_device, self._model_bytes_on_device)
         self.hooks = self._install_hooks()
@@ -117,25 +128,37 @@ class GeminiEngine:
         self.detached = False
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _lay_out(self, chunked: list[nn.Parameter]) -> list[ChunkSpec]:
-        """This rank's chunk layout, with the configured chunk size or the searched one."""
+    def _lay_out(self, trainable: list[nn.Parameter], frozen: list[nn.Parameter]) -> list[ChunkSpec]:
+        """This rank's chunk layout, with the configured chunk size or the searched one: the trainable chunks, then
+        the frozen ones (layout.py [Note: frozen chunks]), one capacity for both."""
         config = self.config
-        named_shapes = [(self.names_of[id(parameter)][0], parameter.shape) for parameter in chunked]
+        trainable_shapes = [(self.names_of[id(parameter)][0], parameter.shape) for parameter in trainable]
+        frozen_shapes = [(self.names_of[id(parameter)][0], parameter.shape) for parameter in frozen]
         if config.chunk_numel is not None:
-            check_chunk_numel(config.chunk_numel, named_shapes)
+            # A frozen parameter larger than a chosen size gets a chunk of exactly its size (layout.pack) instead of
+            # a refusal: a size that fit the trainable parameters before frozen ones were sharded keeps working.
+            check_chunk_numel(config.chunk_numel, trainable_shapes)
             self.chunk_numel = config.chunk_numel
         else:
-            numels = [parameter.numel() for parameter in chunked]
+            numels = [parameter.numel() for parameter in trainable + frozen]
             self.chunk_numel = search_chunk_numel(
                 numels, config.min_chunk_numel, config.search_range_numel, config.search_step_numel
             ).chunk_numel
-        return build_layout(named_shapes, self.chunk_numel, self.world_size, self.rank)
+        specs = build_layout(trainable_shapes, self.chunk_numel, self.world_size, self.rank)
+        return specs + build_layout(
+            frozen_shapes, self.chunk_numel, self.world_size, self.rank, frozen=True, first_index=len(specs)
+        )
 
     def _plan(self, specs: list[ChunkSpec], chunked: list[nn.Parameter]) -> PlacementPlan:
         if self.auto:
             return auto_plan(len(specs))
+        placement = self.config.placement
+        assert not isinstance(placement, AutoPlacement)
         element_size = chunked[0].element_size() if chunked else 4
-        return static_plan([spec.numel * element_size for spec in specs], self.config.placement)  # type: ignore[arg-type]
+        plan = static_plan([spec.numel * element_size for spec in specs], placement)
+        # Optimizer offloading is a share of the optimizer's bytes: frozen chunks have none, so they do not count.
+        trainable_bytes = [spec.numel * element_size for spec in specs if not spec.frozen]
+        return plan._replace(offload_optimizer=static_plan(trainable_bytes, placement).offload_optimizer)
 
     def _fill_shards(self) -> None:
         if has_meta_tensors(self.module):
@@ -181,7 +204,7 @@ class GeminiEngine:
     def whole_numel(self, parameter: Tensor) -> int:
         """Elements of ``parameter`` as the model defines it, also while it is an empty placeholder between gathers."""
         if id(parameter) not in self.chunk_of:
-            return parameter.numel()  # frozen or replicated: whole on every rank
+            return parameter.numel()  # replicated: whole on every rank
         chunk, position = self.chunk_of[id(parameter)]
         return chunk.spec.members[position].numel
 
@@ -254,6 +277,7 @@ class GeminiEngine:
             num_parameters=num_parameters,
             chunk_numel=self.chunk_numel,
             num_chunks=len(self.manager.chunks),
+            frozen_shard_bytes=sum(_tensor_bytes(chunk.shard) for chunk in self.manager.chunks if chunk.frozen),
         )
 
     def memory_by_chunk(self) -> list[ChunkBytes]:
@@ -326,17 +350,25 @@ def _held_parameters(optimizer: Optimizer | None, module: nn.Module) -> set[int]
 
 
 def _split_parameters(
-    module: nn.Module, in_optimizer: set[int] | None
-) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """Trainable parameters the optimizer holds go into chunks (all trainable ones without an optimizer); the others
-    stay whole on every rank."""
-    chunked, replicated = [], []
+    module: nn.Module, in_optimizer: set[int] | None, shard_frozen: bool
+) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """Trainable parameters the optimizer holds (all trainable ones without an optimizer), frozen parameters (into
+    chunks of their own: layout.py [Note: frozen chunks]; whole on every rank unless ``shard_frozen``), and the rest,
+    whole on every rank: trainable parameters the optimizer leaves out get ``.grad`` from autograd as in plain
+    PyTorch, which needs them whole."""
+    trainable, frozen, replicated = [], [], []
     for parameter in module.parameters():
         if parameter.requires_grad and (in_optimizer is None or id(parameter) in in_optimizer):
-            chunked.append(parameter)
+            trainable.append(parameter)
+        elif not parameter.requires_grad and shard_frozen:
+            frozen.append(parameter)
         else:
             replicated.append(parameter)
-    return chunked, replicated
+    return trainable, frozen, replicated
+
+
+def _tensor_bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _parameters_by_chunk(

@@ -3,7 +3,8 @@
 - before a module's forward, its chunks are gathered (or awaited, if prefetched) and marked COMPUTING; chunks no
   longer in use are released (static placement keeps the ``keep_gathered`` ones until the optimizer step);
 - after its forward, a hook on its outputs waits for backward: before the module's backward its chunks are
-  gathered again and held (AWAITING_GRADIENTS);
+  gathered again and held (AWAITING_GRADIENTS), frozen chunks only until the next module's backward ([Note: frozen
+  chunks in backward]);
 - each parameter's post-accumulate-grad hook copies the gradient into its chunk's fp32 full-gradient buffer and
   frees ``.grad``; once a chunk has every gradient it is reduced and released, in a fixed order (descending chunk
   index) so all ranks issue the same collectives in the same order ([Note: fixed reduction order]).
@@ -36,6 +37,15 @@ keeps ZeRO-3 memory and fp32 sums (ColossalAI's Gemini has no accumulation, or h
 
 Parameters no rank produced a gradient for are not stepped: ``distributed/sharded_state.py`` [Note: gradients nobody
 produced].
+
+[Note: frozen chunks in backward]
+A frozen chunk (layout.py [Note: frozen chunks]) is needed in backward only for the input gradients of the modules
+using it, and no gradient of its own tells when that is done. It is gathered before such a module's backward like any
+chunk but stays GATHERED, and the next module's backward that does not need it releases it (as the next forward does
+in forward). That is safe because autograd runs ready nodes latest-created first: once a module's output node runs,
+every node created inside that module's forward is later than anything still waiting and earlier than nothing that
+can still become ready, so the module's whole backward has run before another module's hook fires. Frozen chunks
+never enter the reduction order and nothing is counted for them.
 """
 
 from __future__ import annotations
@@ -240,12 +250,20 @@ class ChunkHooks:
         self._make_room(needed, position)
         # Chunks reduced already (their gradients were complete): nothing here needs their weights again.
         needed = frozenset(index for index in needed if not self.manager.chunks[index].reduced_this_backward)
+        self._release_frozen(keep=needed)
         self._gather_missing(needed, position)
         for index in sorted(needed):
             chunk = self.manager.chunks[index]
             self._gather(chunk)
-            if chunk.state is ChunkState.GATHERED:
+            if chunk.state is ChunkState.GATHERED and not chunk.frozen:
                 chunk.move(ChunkState.AWAITING_GRADIENTS)
+
+    def _release_frozen(self, keep: frozenset[int]) -> None:
+        """Release the gathered frozen chunks outside ``keep`` ([Note: frozen chunks in backward])."""
+        for chunk in self.manager.chunks:
+            if chunk.frozen and chunk.state is ChunkState.GATHERED and chunk.index not in keep:
+                if not chunk.keep_gathered:
+                    self.manager.release(chunk)
 
     def _expect_every_gradient(self) -> None:
         """Without ``prepare_backward``, a chunk waits for every trainable parameter it holds."""
@@ -282,6 +300,9 @@ class ChunkHooks:
         # See [Note: fixed reduction order].
         while self._next_to_reduce >= 0:
             chunk = self.manager.chunks[self._next_to_reduce]
+            if chunk.frozen:  # nothing to reduce ([Note: frozen chunks in backward])
+                self._next_to_reduce -= 1
+                continue
             if not force and chunk.gradients_arrived < chunk.gradients_expected:
                 return
             # Unbounded while other ranks may still need a gather round ([Note: gathering in rounds]).
@@ -303,6 +324,7 @@ class ChunkHooks:
                 self.manager.wait(chunk)
             if chunk.state is ChunkState.AWAITING_GRADIENTS:
                 chunk.move(ChunkState.GATHERED)
+        self._release_frozen(keep=frozenset())
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
         self._expect_every_gradient()

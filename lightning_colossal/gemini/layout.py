@@ -1,7 +1,8 @@
 """Which parameters go into which chunk, and how big a chunk is (pure logic, no process group).
 
 [Note: chunks]
-Gemini groups the trainable parameters, in registration order, into *chunks* of a fixed capacity (in elements).
+Gemini groups the parameters, in registration order, into *chunks* of a fixed capacity (in elements): the trainable
+ones the optimizer holds first, then the frozen ones in chunks of their own ([Note: frozen chunks]).
 A chunk is gathered and released as a whole: one collective moves many parameters. Each gather allocates a fresh
 buffer holding exactly the chunk's members (``ChunkSpec.numel``, at most the capacity) and the release drops it;
 there is no buffer pool (``manager.py``). Inside a chunk each parameter is sharded along dim 0 like ZeRO does
@@ -16,6 +17,15 @@ all-gather and reduce-scatter collectives.
 A parameter larger than the capacity gets a chunk of its own, exactly its size. The capacity is searched to leave
 the least unused space at the chunk ends (``wasted_numel``), so that chunks come out close to one size. Since a
 gathered buffer holds only its chunk's members, that unused space is not allocated.
+
+[Note: frozen chunks]
+Parameters with ``requires_grad=False`` (a LoRA model's whole base model) are sharded like the trainable ones, or
+every rank would hold them whole and ZeRO-3 would save nothing on the part of the model that is usually largest. A
+chunk is either all trainable or all frozen: a frozen chunk is only a shard in the working dtype that is gathered for
+the modules using it and released after. It has no fp32 master (its shard is its own master, never stepped), no
+gradient buffer, no gradient hooks, never takes part in a reduction and holds no optimizer state, so none of the
+gradient path has to ask which members of a chunk are frozen. Frozen chunks come after the trainable ones and are
+packed with the same capacity; the capacity search sees both (``engine.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ class ChunkSpec:
     index: int
     capacity: int
     members: tuple[ChunkMember, ...]
+    frozen: bool = False  # [Note: frozen chunks]
 
     @property
     def numel(self) -> int:
@@ -148,12 +159,18 @@ def search_chunk_numel(
 
 
 def build_layout(
-    named_shapes: Sequence[tuple[str, torch.Size]], capacity: int, world_size: int, rank: int
+    named_shapes: Sequence[tuple[str, torch.Size]],
+    capacity: int,
+    world_size: int,
+    rank: int,
+    frozen: bool = False,
+    first_index: int = 0,
 ) -> list[ChunkSpec]:
-    """Chunks of ``capacity`` elements over the parameters (in the given order), as seen from ``rank``."""
+    """Chunks of ``capacity`` elements over the parameters (in the given order), as seen from ``rank``, numbered from
+    ``first_index``; ``frozen`` marks them as chunks of frozen parameters ([Note: frozen chunks])."""
     numels = [math.prod(shape) for _, shape in named_shapes]
     chunks = []
-    for chunk_index, indices in enumerate(pack(numels, capacity)):
+    for chunk_index, indices in enumerate(pack(numels, capacity), start=first_index):
         members = []
         offset = shard_offset = slot_offset = 0
         for index in indices:
@@ -163,7 +180,7 @@ def build_layout(
             offset += numels[index]
             shard_offset += spec.local_numel
             slot_offset += spec.slot_numel
-        chunks.append(ChunkSpec(chunk_index, max(capacity, offset), tuple(members)))
+        chunks.append(ChunkSpec(chunk_index, max(capacity, offset), tuple(members), frozen))
     return chunks
 
 

@@ -96,9 +96,15 @@ class ChunkManager:
                 )
             shard_location = Location.OFFLOAD if spec.index in plan.offload_parameters else Location.COMPUTE
             master_location = Location.OFFLOAD if spec.index in plan.offload_optimizer else Location.COMPUTE
+            if spec.frozen:
+                master_location = shard_location  # nothing steps a frozen chunk: layout.py [Note: frozen chunks]
             shard = torch.zeros(spec.shard_numel, dtype=dtype, device=self.device_of(shard_location))
-            if dtype == torch.float32 and self.device_of(shard_location) == self.device_of(master_location):
-                master = shard  # an fp32 shard is its own master: no second copy (see chunk.py ``Chunk``)
+            if spec.frozen or (
+                dtype == torch.float32 and self.device_of(shard_location) == self.device_of(master_location)
+            ):
+                # An fp32 shard is its own master: no second copy (see chunk.py ``Chunk``); a frozen shard, of any
+                # dtype, is never stepped, so its "master" (what checkpoints read and load) is the shard itself.
+                master = shard
             else:
                 master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device_of(master_location))
             chunk = Chunk(
@@ -254,6 +260,11 @@ class ChunkManager:
     def reduce(self, chunk: Chunk, bound_in_flight: bool = True) -> None:
         """Start averaging the chunk's full gradient over the ranks; ``complete_reductions`` adds the own rows to the
         fp32 shard gradient. Runs on ``reduce_group`` without waiting ([Note: two groups])."""
+        if chunk.frozen:
+            raise RuntimeError(
+                f"chunk {chunk.index} holds frozen parameters and has no gradient to reduce. This is a bug in the"
+                " Gemini runtime; please report it with the model that triggered it."
+            )
         full = chunk.full_gradient
         if full is None:  # no gradient reached this chunk on this rank: it still takes part with zeros
             full = self.allocate_full_gradient(chunk)

@@ -39,6 +39,8 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         communication: ``"auto"``, ``"all_reduce"`` or ``"scatter_gather"`` (identical results).
         init_window_bytes: bytes one initialisation pass materialises when the model is built on the meta device
             (``Trainer.init_module(empty_init=True)`` or ``configure_model``).
+        shard_frozen_parameters: shard parameters with ``requires_grad=False`` (a LoRA model's base) in chunks of
+            their own, like the trainable ones (default); ``False`` keeps them whole on every rank.
     """
 
     materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)
@@ -57,6 +59,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         max_prefetch: int = 0,
         communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
         init_window_bytes: int = 2**30,
+        shard_frozen_parameters: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -69,6 +72,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
             max_prefetch=max_prefetch,
             communication=communication,
             init_window_bytes=init_window_bytes,
+            shard_frozen_parameters=shard_frozen_parameters,
         )
 
     @classmethod
@@ -137,7 +141,8 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         assert self.lightning_module is not None
         if self.engine is None:
             return self.lightning_module.state_dict()
-        # fp32 master rows of every chunked parameter (never rounded weights) plus buffers and frozen parameters.
+        # fp32 master rows of every trainable chunked parameter (never rounded weights), the shard rows of frozen ones
+        # (in their own dtype, as module.state_dict() holds them), plus buffers and parameters kept whole.
         state = self.engine.state_by_name()
         for name, value in self.lightning_module.state_dict().items():
             state.setdefault(name, value)

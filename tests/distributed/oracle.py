@@ -67,9 +67,12 @@ class RegressionModule(LightningModule):
         shuffle: bool = False,
         with_scheduler: bool = False,
         overflow_at_step: int | None = None,
+        frozen: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.model = RegressionModel(dropout)
+        for name in frozen:  # submodules of the model whose parameters do not train (requires_grad=False)
+            self.model.get_submodule(name).requires_grad_(False)
         self.batch_size = batch_size
         self.learning_rate = learning_rate
         self.shuffle = shuffle
@@ -143,9 +146,10 @@ def oracle_train(
     autocast_dtype: torch.dtype | None = None,
     skip_steps: Sequence[int] = (),
     parameter_dtype: torch.dtype = torch.float32,
+    frozen: tuple[str, ...] = (),
 ) -> OracleResult:
     """Train like ``world_size`` data-parallel ranks would, in one process (unshuffled DistributedSampler order)."""
-    module = new_module(batch_size=batch_size, learning_rate=learning_rate).to(parameter_dtype)
+    module = new_module(batch_size=batch_size, learning_rate=learning_rate, frozen=frozen).to(parameter_dtype)
     model = module.model
     optimizer = build_optimizer(module, learning_rate)
     dataset = make_dataset()
@@ -197,12 +201,13 @@ def train_and_record(
     clip_algorithm: str = "norm",
     precision: str = "32-true",
     facts: Callable[[LightningModule], dict[str, Any]] | None = None,
+    frozen: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Rank body helper: train ``new_module()`` with ``strategy`` and return its micro-batch losses and weights.
 
     ``facts`` adds what a test wants to know about the trained module (e.g. how it was sharded) to the result.
     """
-    module = new_module()
+    module = new_module(frozen=frozen)
     trainer = quiet_trainer(
         strategy=strategy,
         devices=torch.distributed.get_world_size(),

@@ -165,23 +165,29 @@ def test_parameters_without_gradient_neither_hang_nor_desynchronise(rank_pool_2,
         torch.testing.assert_close(used, oracle.parameters, **FP32)
 
 
-def frozen_body() -> dict[str, Any]:
+def frozen_body(shard_frozen: bool) -> dict[str, Any]:
     module = new_module()
     module.model.norm.requires_grad_(False)
     initial = module.model.norm.weight.detach().clone()
-    strategy = GeminiStrategy(chunk_numel=1100)
+    strategy = GeminiStrategy(chunk_numel=1100, shard_frozen_parameters=shard_frozen)
     trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=STEPS)
     trainer.fit(module)
     return {
         "parameters": float_state(module),
         "initial_norm": initial,
         "replicated": strategy.engine.memory_report().replicated_bytes,
+        "frozen_shard": strategy.engine.memory_report().frozen_shard_bytes,
     }
 
 
-def test_frozen_layers_stay_whole_and_unchanged(rank_pool_2):
-    results = rank_pool_2.run(frozen_body, timeout=60)
-    assert results[0]["replicated"] == 2 * 32 * 4, "the frozen LayerNorm stays outside the chunks"
+@pytest.mark.parametrize("shard_frozen", [True, False], ids=["sharded", "whole"])
+def test_frozen_layers_are_sharded_and_unchanged(rank_pool_2, shard_frozen):
+    results = rank_pool_2.run(frozen_body, shard_frozen, timeout=60)
+    for result in results:
+        if shard_frozen:  # the frozen LayerNorm (weight and bias, 32 each) in a chunk of its own: 16 rows each
+            assert (result["replicated"], result["frozen_shard"]) == (0, 2 * 16 * 4)
+        else:
+            assert (result["replicated"], result["frozen_shard"]) == (2 * 32 * 4, 0), "kept whole on every rank"
     torch.testing.assert_close(
         results[0]["parameters"]["model.norm.weight"], results[0]["initial_norm"], rtol=0, atol=0
     )

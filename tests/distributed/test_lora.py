@@ -117,6 +117,7 @@ STRATEGY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "zero1": ("zero", {"stage": 1}),
     "zero2": ("zero", {"stage": 2}),
     "gemini": ("gemini", {"chunk_numel": 512}),
+    "gemini_offload": ("gemini", {"chunk_numel": 512, "offload": True}),
     "fsdp": ("fsdp", {}),
     "hybrid_tp2": ("hybrid", {"tp_size": 2}),
 }
@@ -128,10 +129,14 @@ def make_strategy(strategy_name: str, **overrides: Any) -> Any:
         ColossalFSDPStrategy,
         GeminiStrategy,
         HybridParallelStrategy,
+        StaticPlacement,
         ZeroStrategy,
     )
 
     kind, arguments = STRATEGY_SPECS[strategy_name]
+    if arguments.get("offload"):  # fp32 masters, optimizer state and every parameter shard in CPU memory
+        placement = StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)
+        arguments = {**{k: v for k, v in arguments.items() if k != "offload"}, "placement": placement}
     classes = {
         "ddp": ColossalDDPStrategy,
         "zero": ZeroStrategy,
@@ -191,8 +196,13 @@ class MemoryProbe(Callback):
                 "optimizer_state_bytes": report.chunks.optimizer_state,
                 "master_bytes": report.chunks.master,
                 "chunked_names": sorted(
-                    name for chunk in engine.manager.chunks for member in chunk.spec.members for name in [member.name]
+                    member.name for chunk in engine.manager.chunks if not chunk.frozen for member in chunk.spec.members
                 ),
+                "frozen_chunked_names": sorted(
+                    member.name for chunk in engine.manager.chunks if chunk.frozen for member in chunk.spec.members
+                ),
+                "frozen_shard_bytes": report.frozen_shard_bytes,
+                "replicated_bytes": report.replicated_bytes,
             }
         self.facts[moment] = facts
 
@@ -284,9 +294,24 @@ def check_frozen_parameters_cost_nothing(
             assert engine["optimizer_state_bytes"] <= 4 * 2 * lora_numel // world_size + 8 * 8, f"rank {rank}: {engine}"
             if "chunked_names" in engine:
                 assert engine["chunked_names"] == sorted(name for name in reference if "lora_" in name)
+                check_frozen_base_is_sharded(engine, rank, world_size)
     state_numel = sum(result["memory"]["after_step"]["optimizer_state_numel"] for result in results)
     expected = expected_optimizer_state_numel(strategy_name, reference, world_size) if optimizer_name == "adamw" else 0
     assert state_numel == expected
+
+
+def check_frozen_base_is_sharded(engine: dict[str, Any], rank: int, world_size: int) -> None:
+    """Gemini shards the frozen base in chunks of its own: this rank holds its rows of each frozen tensor (dim-0
+    split, ceil(rows / world_size) per rank), nothing stays whole."""
+    frozen = {f"model.{name}": p.shape for name, p in build_lora_model().named_parameters() if not p.requires_grad}
+    assert engine["frozen_chunked_names"] == sorted(frozen)
+    assert engine["replicated_bytes"] == 0, engine
+    expected = 0
+    for shape in frozen.values():
+        rows_per_rank = -(-shape[0] // world_size)
+        rows = max(0, min(shape[0], (rank + 1) * rows_per_rank) - rank * rows_per_rank)
+        expected += rows * shape.numel() // shape[0] * 4
+    assert engine["frozen_shard_bytes"] == expected, f"rank {rank}: {engine}"
 
 
 def assert_trained_like_oracle(
