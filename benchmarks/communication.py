@@ -174,13 +174,9 @@ def analyse(label: str, ranks: list[dict[str, Any]], context: dict[str, Any]) ->
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    arguments = parse_arguments(argv)
-    if arguments.rank_spec is not None:
-        rank_main(arguments.rank_spec)
-        return 0
-    command_arguments = list(sys.argv[1:] if argv is None else argv)
-    context = {
+def _context(arguments: argparse.Namespace, command_arguments: list[str]) -> dict[str, Any]:
+    """What the document records about the measurement besides the launches: command, machine, model, settings."""
+    return {
         "command": " ".join(["python", "-m", "benchmarks.communication", *command_arguments]),
         "machine": cpu_description(),
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -198,7 +194,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "control_max_bytes": CONTROL_MAX_BYTES,
     }
-    start = time.perf_counter()
+
+
+def _training_spec(label: str, arguments: argparse.Namespace) -> dict[str, Any]:
+    """The spec the rank processes of one configuration's launch read."""
+    strategy, init_args, _ = CONFIGURATIONS[label]
+    return {
+        "kind": "training",
+        "world_size": 2,
+        "strategy": strategy,
+        "init_args": init_args,
+        "model_config": arguments.model,
+        "batch_size_per_rank": arguments.batch_size_per_rank,
+        "sequence_length": arguments.sequence_length,
+        "learning_rate": 3e-4,
+        "seed": arguments.seed,
+        "steps": arguments.steps,
+        "probed_steps": arguments.probed,
+        "process_group_timeout": arguments.timeout,
+    }
+
+
+def _launch_all(
+    arguments: argparse.Namespace, context: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any]] | None:
+    """(gloo primitives or ``None`` when skipped, every configuration's ranks and analysis), launched one after the
+    other; ``None`` as soon as a launch fails (reported on stderr)."""
     results: dict[str, Any] = {}
     primitives = None
     with tempfile.TemporaryDirectory(prefix="lightning_colossal_communication_") as scratch:
@@ -208,32 +229,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 primitives = primitive_rows(_launch(spec, Path(scratch) / "primitives", arguments.timeout))
             except RunFailed as error:
                 print(f"gloo primitives: launch failed: {error}", file=sys.stderr)
-                return 1
+                return None
             print("  gloo primitives measured", flush=True)
         for label in arguments.labels:
-            strategy, init_args, _ = CONFIGURATIONS[label]
-            spec = {
-                "kind": "training",
-                "world_size": 2,
-                "strategy": strategy,
-                "init_args": init_args,
-                "model_config": arguments.model,
-                "batch_size_per_rank": arguments.batch_size_per_rank,
-                "sequence_length": arguments.sequence_length,
-                "learning_rate": 3e-4,
-                "seed": arguments.seed,
-                "steps": arguments.steps,
-                "probed_steps": arguments.probed,
-                "process_group_timeout": arguments.timeout,
-            }
+            spec = _training_spec(label, arguments)
             launched = time.perf_counter()
             try:
                 ranks = _launch(spec, Path(scratch) / label, arguments.timeout)
             except RunFailed as error:
                 print(f"{label}: launch failed: {error}", file=sys.stderr)
-                return 1
+                return None
             results[label] = {"raw": ranks, "analysis": analyse(label, ranks, context)}
             print(f"  {label}: {time.perf_counter() - launched:.0f} s", flush=True)
+    return primitives, results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    if arguments.rank_spec is not None:
+        rank_main(arguments.rank_spec)
+        return 0
+    context = _context(arguments, list(sys.argv[1:] if argv is None else argv))
+    start = time.perf_counter()
+    launched = _launch_all(arguments, context)
+    if launched is None:
+        return 1
+    primitives, results = launched
     document = {
         **context,
         "wall_seconds": time.perf_counter() - start,
@@ -285,17 +306,12 @@ def primitive_rows(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return {"payload_bytes": PRIMITIVE_NUMEL * 4, "rows": rows}
 
 
-def primitives_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Each gloo collective once on ``numel`` fp32 values (after one unmeasured call), socket bytes around it."""
-    from datetime import timedelta
-
+def _primitive_cases(whole: Any, rank: int) -> list[tuple[str, str, Any, str | None]]:
+    """(name, kind, call, role) of each gloo collective on the fp32 tensor ``whole``, in table order."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
-    n, numel = dist.get_world_size(), spec["numel"]
-    whole = torch.ones(numel)
-    payload = whole.numel() * whole.element_size()
+    n, numel = dist.get_world_size(), whole.numel()
 
     def all_reduce() -> None:
         dist.all_reduce(whole)
@@ -324,7 +340,7 @@ def primitives_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         elif rank == 1:
             dist.recv(whole, src=0)
 
-    cases = [
+    return [
         ("all_reduce", "all_reduce", all_reduce, None),
         ("reduce_scatter_tensor", "reduce_scatter", reduce_scatter, None),
         ("reduce_scatter (list)", "reduce_scatter", reduce_scatter_list, None),
@@ -334,8 +350,21 @@ def primitives_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
         ("all_to_all_single", "all_to_all", all_to_all, None),
         ("send 0 → recv 1", "send" if rank == 0 else "receive", send_receive, None),
     ]
+
+
+def primitives_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Each gloo collective once on ``numel`` fp32 values (after one unmeasured call), socket bytes around it."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=spec["timeout"]))
+    n = dist.get_world_size()
+    whole = torch.ones(spec["numel"])
+    payload = whole.numel() * whole.element_size()
     rows = []
-    for name, kind, call, role in cases:
+    for name, kind, call, role in _primitive_cases(whole, rank):
         call()  # unmeasured: any first-call set-up
         dist.barrier()
         before_bytes, before_writes = socket_counters()
@@ -414,9 +443,64 @@ def _group(named: dict[str, Any]) -> tuple[int, int]:
     return group.size(), group.rank()
 
 
+def _collective_record(
+    name: str,
+    kind: str,
+    payload: list[Any],
+    times: int,
+    group_size: int,
+    role: str | None,
+    phase: str,
+    site: str,
+) -> dict[str, Any]:
+    """The record of one collective: ``times`` × the payload tensors' bytes, and the wire bytes of its kind."""
+    payload_bytes = times * sum(tensor.numel() * tensor.element_size() for tensor in payload)
+    return {
+        "op": name,
+        "kind": kind,
+        "phase": phase,
+        "shapes": [list(tensor.shape) for tensor in payload[:4]],
+        "tensors": len(payload),
+        "dtype": str(payload[0].dtype) if payload else "",
+        "group_size": group_size,
+        "role": role,
+        "payload_bytes": payload_bytes,
+        "wire_bytes": wire_bytes(kind, payload_bytes, group_size, role),
+        "site": site,
+    }
+
+
+def _record_collective(
+    records: list[dict[str, Any]], func: Any, name: str, args: Any, kwargs: dict[str, Any], phase: str
+) -> None:
+    """Append the records of one dispatched collective op that has a rule in ``OP_RULES``.
+
+    ``phase`` is the one the hooks set; an op inside a running autograd node is "backward" whatever it says.
+    """
+    import torch
+
+    rule = OP_RULES[name]
+    named = _bind(func, args, kwargs)
+    group_size, group_rank = _group(named)
+    phase = "backward" if torch._C._current_autograd_node() is not None else phase
+    site = _call_site()
+    payload = _flatten(named[rule.payload])
+    if rule.operations is not None:
+        # A batch of sends and receives: one record per tensor.
+        for operation, tensor in zip(named[rule.operations], payload, strict=True):
+            records.append(
+                _collective_record(name, point_to_point_kind(operation), [tensor], 1, group_size, None, phase, site)
+            )
+        return
+    role = None
+    if rule.kind in ("broadcast", "reduce", "gather", "scatter"):
+        role = "root" if named[rule.peer] == group_rank else "other"
+    times = group_size if rule.times_group else 1
+    records.append(_collective_record(name, rule.kind, payload, times, group_size, role, phase, site))
+
+
 def _make_counter() -> Any:
     """A ``TorchDispatchMode`` recording every collective (built here so the orchestrator never imports torch)."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CollectiveCounter(TorchDispatchMode):
@@ -441,84 +525,89 @@ def _make_counter() -> Any:
             name = str(getattr(func, "_overloadpacket", func))
             if not name.startswith(("c10d.", "_c10d_functional.")) or name in NOT_COLLECTIVES:
                 return output
-            rule = OP_RULES.get(name)
-            if rule is None:
+            if name not in OP_RULES:
                 self.unknown.append(name)  # reported, never silently dropped
                 return output
-            named = _bind(func, args, kwargs)
-            group_size, group_rank = _group(named)
-            phase = "backward" if torch._C._current_autograd_node() is not None else self.phase
-            site = _call_site()
-            payload = _flatten(named[rule.payload])
-            if rule.operations is not None:
-                # A batch of sends and receives: one record per tensor.
-                for operation, tensor in zip(named[rule.operations], payload, strict=True):
-                    self._record(name, point_to_point_kind(operation), [tensor], 1, group_size, None, phase, site)
-                return output
-            role = None
-            if rule.kind in ("broadcast", "reduce", "gather", "scatter"):
-                role = "root" if named[rule.peer] == group_rank else "other"
-            times = group_size if rule.times_group else 1
-            self._record(name, rule.kind, payload, times, group_size, role, phase, site)
+            _record_collective(self.records, func, name, args, kwargs, self.phase)
             return output
-
-        def _record(
-            self,
-            name: str,
-            kind: str,
-            payload: list[Any],
-            times: int,
-            group_size: int,
-            role: str | None,
-            phase: str,
-            site: str,
-        ) -> None:
-            payload_bytes = times * sum(tensor.numel() * tensor.element_size() for tensor in payload)
-            self.records.append(
-                {
-                    "op": name,
-                    "kind": kind,
-                    "phase": phase,
-                    "shapes": [list(tensor.shape) for tensor in payload[:4]],
-                    "tensors": len(payload),
-                    "dtype": str(payload[0].dtype) if payload else "",
-                    "group_size": group_size,
-                    "role": role,
-                    "payload_bytes": payload_bytes,
-                    "wire_bytes": wire_bytes(kind, payload_bytes, group_size, role),
-                    "site": site,
-                }
-            )
 
     return CollectiveCounter()
 
 
+class _CommunicationRecorder:
+    """The state and bookkeeping of ``_make_probe``'s ``CommunicationProbe``, which only adds Lightning's hooks (kept
+    apart so that this module imports neither Lightning nor torch until a rank trains).
+
+    Counting starts at the end of the step before the first probed one; the end of each probed step closes its
+    record and opens the next one's, and the end of the last probed step stops counting.
+    """
+
+    def __init__(self, probed_steps: list[int]) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.ddp_bucket_bytes: list[int] | None = None
+        self.unknown_ops: list[str] = []
+        self.gemini_chunks: dict[str, int] | None = None
+        self._probed_steps = probed_steps
+        self._first, self._last = min(probed_steps), max(probed_steps)
+        self._counter: Any = None
+        self._socket_mark = (0, 0)
+        self._record_mark = 0
+
+    def _phase(self, phase: str) -> None:
+        if self._counter is not None:
+            self._counter.phase = phase
+
+    def _step_ended(self, batch_idx: int) -> None:
+        if batch_idx == self._first - 1:
+            self._counter = _make_counter()
+            self._counter.__enter__()
+            self._socket_mark = socket_counters()
+        elif self._counter is not None and batch_idx in self._probed_steps:
+            self._close_step(batch_idx)
+        self._phase("between steps")
+
+    def _close_step(self, batch_idx: int) -> None:
+        socket_now = socket_counters()
+        self.steps.append(
+            {
+                "step": batch_idx,
+                "collectives": self._counter.records[self._record_mark :],
+                "socket_bytes_sent": socket_now[0] - self._socket_mark[0],
+                "socket_writes": socket_now[1] - self._socket_mark[1],
+            }
+        )
+        self._socket_mark, self._record_mark = socket_now, len(self._counter.records)
+        if batch_idx == self._last:
+            self._counter.__exit__(None, None, None)
+            self.unknown_ops = self._counter.unknown
+            self._counter = None
+
+    def _read_strategy(self, strategy: Any) -> None:
+        """The second counts: DDP's bucket sizes from its reducer, Gemini's chunks from its engine."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = strategy.model
+        if isinstance(wrapped, DistributedDataParallel):
+            logging_data = wrapped._get_ddp_logging_data()
+            sizes = str(logging_data.get("rebuilt_bucket_sizes") or logging_data.get("bucket_sizes", ""))
+            self.ddp_bucket_bytes = [int(size) for size in sizes.replace(",", " ").split()]
+        engine = getattr(strategy, "engine", None)
+        if hasattr(engine, "memory_report") and hasattr(engine.memory_report(), "num_chunks"):
+            report = engine.memory_report()
+            self.gemini_chunks = {"num_chunks": report.num_chunks, "chunk_numel": report.chunk_numel}
+
+
 def _make_probe(probed_steps: list[int]) -> Any:
+    """A Lightning callback counting the probed steps (built here so the orchestrator never imports Lightning)."""
     from lightning.pytorch import Callback, LightningModule, Trainer
-    from torch.nn.parallel import DistributedDataParallel
 
-    first, last = min(probed_steps), max(probed_steps)
-
-    class CommunicationProbe(Callback):
+    class CommunicationProbe(_CommunicationRecorder, Callback):
         """Counts collectives and socket bytes of whole training steps.
 
         A probed step k runs from ``on_train_batch_end`` of step k − 1 to ``on_train_batch_end`` of step k: Lightning's
         loop between the two (it broadcasts a SIGTERM flag before every batch), then forward, backward, the strategy's
         work after backward and the optimizer step. ``phase`` follows Lightning's hooks.
         """
-
-        def __init__(self) -> None:
-            self.steps: list[dict[str, Any]] = []
-            self.ddp_bucket_bytes: list[int] | None = None
-            self.unknown_ops: list[str] = []
-            self.gemini_chunks: dict[str, int] | None = None
-            self._counter: Any = None
-            self._socket_mark = (0, 0)
-            self._record_mark = 0
-
-        def _phase(self, phase: str) -> None:
-            if self._counter is not None:
-                self._counter.phase = phase
 
         def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, batch_idx: int) -> None:
             self._phase("forward")
@@ -535,39 +624,12 @@ def _make_probe(probed_steps: list[int]) -> Any:
         def on_train_batch_end(
             self, trainer: Trainer, module: LightningModule, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
-            if batch_idx == first - 1:
-                self._counter = _make_counter()
-                self._counter.__enter__()
-                self._socket_mark = socket_counters()
-            elif self._counter is not None and batch_idx in probed_steps:
-                socket_now = socket_counters()
-                self.steps.append(
-                    {
-                        "step": batch_idx,
-                        "collectives": self._counter.records[self._record_mark :],
-                        "socket_bytes_sent": socket_now[0] - self._socket_mark[0],
-                        "socket_writes": socket_now[1] - self._socket_mark[1],
-                    }
-                )
-                self._socket_mark, self._record_mark = socket_now, len(self._counter.records)
-                if batch_idx == last:
-                    self._counter.__exit__(None, None, None)
-                    self.unknown_ops = self._counter.unknown
-                    self._counter = None
-            self._phase("between steps")
+            self._step_ended(batch_idx)
 
         def on_train_end(self, trainer: Trainer, module: LightningModule) -> None:
-            wrapped = trainer.strategy.model
-            if isinstance(wrapped, DistributedDataParallel):
-                logging_data = wrapped._get_ddp_logging_data()
-                sizes = str(logging_data.get("rebuilt_bucket_sizes") or logging_data.get("bucket_sizes", ""))
-                self.ddp_bucket_bytes = [int(size) for size in sizes.replace(",", " ").split()]
-            engine = getattr(trainer.strategy, "engine", None)
-            if hasattr(engine, "memory_report") and hasattr(engine.memory_report(), "num_chunks"):
-                report = engine.memory_report()
-                self.gemini_chunks = {"num_chunks": report.num_chunks, "chunk_numel": report.chunk_numel}
+            self._read_strategy(trainer.strategy)
 
-    return CommunicationProbe()
+    return CommunicationProbe(probed_steps)
 
 
 def rank_main(spec_path: Path) -> None:

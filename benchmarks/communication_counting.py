@@ -395,12 +395,12 @@ def _kind_cell(totals: Mapping[str, Mapping[str, float]], kinds: Sequence[str]) 
 _TABLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def markdown(document: Mapping[str, Any]) -> str:
-    """The ``RESULTS.md`` block of a ``benchmarks.communication`` document."""
+def _header_lines(document: Mapping[str, Any]) -> list[str]:
+    """The setting of the measurement: machine, date, command, model, ranks, software and wall time."""
     software, settings, model = document["software"], document["settings"], document["model"]
     parameters = document["parameters"]
     activation = settings["batch_size_per_rank"] * settings["sequence_length"] * model["embed_dim"]
-    lines = [
+    return [
         f"- Machine: {document['machine']}",
         f"- Date: {document['started_at']}",
         f"- Command: `{document['command']}`",
@@ -414,6 +414,12 @@ def markdown(document: Mapping[str, Any]) -> str:
         f"- Software: torch {software['torch']}, lightning {software['lightning']}, python {software['python']}, "
         f"lightning_colossal {software['lightning_colossal']} (git {document['git']})",
         f"- Wall time: {document['wall_seconds']:.0f} s",
+    ]
+
+
+def _payload_table(configurations: Mapping[str, Any]) -> list[str]:
+    """Rank 0's data collectives by kind, payload bytes against the formula's payload."""
+    lines = [
         "",
         "Data collectives per step on rank 0 (payload bytes, and in brackets the number of collectives), against the formula's payload:",
         "",
@@ -421,7 +427,6 @@ def markdown(document: Mapping[str, Any]) -> str:
         "measured / formula |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    configurations = document["configurations"]
     for label, result in configurations.items():
         analysis = result["analysis"]
         rank = analysis["ranks"][0]
@@ -434,7 +439,12 @@ def markdown(document: Mapping[str, Any]) -> str:
             f"| {label} | {' | '.join(cells)} | {other} | {_bytes(payload)} | {textbook['payload_text']} | "
             f"{_bytes(textbook['payload_bytes'])} | {_ratio(payload, textbook['payload_bytes'])} |"
         )
-    lines += [
+    return lines
+
+
+def _wire_table(configurations: Mapping[str, Any]) -> list[str]:
+    """Bytes a rank sends: the ring model against the formula, then gloo's model against the socket bytes."""
+    lines = [
         "",
         "Bytes one rank sends per step: the counted collectives under ring algorithms against the formula; then all of "
         "them (data + control) under gloo's own algorithms (its reduce-scatter is an all-reduce) against what the "
@@ -461,7 +471,12 @@ def markdown(document: Mapping[str, Any]) -> str:
             f"{_ratio(wire, textbook['wire_bytes'])} | {_per_rank(gloo)} | {_per_rank(socket)} | {residual} | "
             f"{'yes' if all(rank['identical_steps'] for rank in ranks) else 'NO'} |"
         )
-    lines += [
+    return lines
+
+
+def _control_table(configurations: Mapping[str, Any]) -> list[str]:
+    """Rank 0's control collectives, grouped by call site."""
+    lines = [
         "",
         "Control collectives per step on rank 0 (payload ≤ the control bound, or barriers):",
         "",
@@ -476,6 +491,11 @@ def markdown(document: Mapping[str, Any]) -> str:
             for group in rank["control_by_site"]
         )
         lines.append(f"| {label} | {total['count']:.0f} | {_bytes(total['payload_bytes'])} | {what or '–'} |")
+    return lines
+
+
+def _notes(configurations: Mapping[str, Any]) -> list[str]:
+    """Second counts next to the collectives (DDP's buckets, Gemini's chunks) and ops that had no rule."""
     notes = []
     for label, result in configurations.items():
         analysis = result["analysis"]
@@ -498,23 +518,42 @@ def markdown(document: Mapping[str, Any]) -> str:
             )
         if analysis.get("unknown_ops"):
             notes.append(f"- {label}: ops with no rule, not counted: {', '.join(analysis['unknown_ops'])}.")
+    return notes
+
+
+def _primitives_table(primitives: Mapping[str, Any]) -> list[str]:
+    """gloo's own bytes for each collective by itself, against the ring model."""
+    lines = [
+        "",
+        f"gloo's own bytes per collective ({_bytes(primitives['payload_bytes'])} B of fp32 payload, 2 ranks, "
+        "rank 0 / rank 1):",
+        "",
+        "| collective | ring model | socket bytes written | write calls | socket − ring model |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in primitives["rows"]:
+        model_bytes, socket = row["ring_model_bytes"], row["socket_bytes_sent"]
+        lines.append(
+            f"| {row['name']} | {' / '.join(_bytes(m) for m in model_bytes)} | "
+            f"{' / '.join(_bytes(s) for s in socket)} | {' / '.join(str(w) for w in row['socket_writes'])} | "
+            f"{' / '.join(_bytes(s - m) for s, m in zip(socket, model_bytes, strict=True))} |"
+        )
+    return lines
+
+
+def markdown(document: Mapping[str, Any]) -> str:
+    """The ``RESULTS.md`` block of a ``benchmarks.communication`` document."""
+    configurations = document["configurations"]
+    lines = [
+        *_header_lines(document),
+        *_payload_table(configurations),
+        *_wire_table(configurations),
+        *_control_table(configurations),
+    ]
+    notes = _notes(configurations)
     if notes:
         lines += ["", *notes]
     primitives = document.get("primitives")
     if primitives:
-        lines += [
-            "",
-            f"gloo's own bytes per collective ({_bytes(primitives['payload_bytes'])} B of fp32 payload, 2 ranks, "
-            "rank 0 / rank 1):",
-            "",
-            "| collective | ring model | socket bytes written | write calls | socket − ring model |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for row in primitives["rows"]:
-            model_bytes, socket = row["ring_model_bytes"], row["socket_bytes_sent"]
-            lines.append(
-                f"| {row['name']} | {' / '.join(_bytes(m) for m in model_bytes)} | "
-                f"{' / '.join(_bytes(s) for s in socket)} | {' / '.join(str(w) for w in row['socket_writes'])} | "
-                f"{' / '.join(_bytes(s - m) for s, m in zip(socket, model_bytes, strict=True))} |"
-            )
+        lines += _primitives_table(primitives)
     return "\n".join(lines)

@@ -378,14 +378,14 @@ def _next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleTimers) -> dict[str, Any]:
+def _pipeline_engine(spec: dict[str, Any], case: dict[str, Any]) -> tuple[ModelHolder, HybridEngine]:
+    """A fresh GPT (seeded by the spec) and the hybrid engine pipelining it over every rank with the case's schedule."""
     timeout = timedelta(seconds=spec["process_group_timeout"])
     device = torch.device("cpu")
-    microbatches = case["microbatches"]
     config = HybridConfig.from_flat_arguments(
         pp_size=spec["world_size"],
         pp_schedule=case["schedule"],
-        num_microbatches=microbatches,
+        num_microbatches=case["microbatches"],
         num_model_chunks=case["chunks"],
     )
     torch.manual_seed(spec["seed"])
@@ -394,16 +394,47 @@ def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleT
     groups = build_groups(
         build_device_mesh(ParallelDims(world_size=spec["world_size"], pp=config.pp_size), device), timeout
     )
-    engine = HybridEngine(root, model, policy, config, groups, device, timeout)
-    assert engine.pipeline is not None  # pp_size = world_size > 1
+    return root, HybridEngine(root, model, policy, config, groups, device, timeout)
+
+
+def _pipeline_batch(spec: dict[str, Any], microbatches: int, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """(inputs, targets) of one step's random tokens, the same on every rank (a generator seeded by the spec)."""
     generator = torch.Generator().manual_seed(spec["seed"])
     tokens = torch.randint(
         0,
-        root.model.config.vocab_size,
+        vocab_size,
         (microbatches * spec["microbatch_size"], spec["sequence_length"] + 1),
         generator=generator,
     )
-    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _window_start() -> dict[str, float]:
+    """Clocks at the start of the measured steps: wall, this process's CPU time and the machine's busy CPU time."""
+    cpu_times = read_cpu_times()
+    return {
+        "wall_start": time.perf_counter(),
+        "process_cpu_start": time.process_time(),
+        "busy_start": cpu_times.busy_seconds if cpu_times else float("nan"),
+    }
+
+
+def _step_record(wall: float, timers: ScheduleTimers) -> dict[str, Any]:
+    """One measured step: its wall time, the compute inside it by category and the point-to-point transfers."""
+    return {
+        "wall_seconds": wall,
+        **{f"{key}_seconds": value for key, value in timers.seconds.items()},
+        "transfers": timers.transfers,
+        "transfer_bytes": timers.transfer_bytes,
+    }
+
+
+def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleTimers) -> dict[str, Any]:
+    """The case's warm-up then measured steps on this rank: each measured step's times, and the window's clocks."""
+    microbatches = case["microbatches"]
+    root, engine = _pipeline_engine(spec, case)
+    assert engine.pipeline is not None  # pp_size = world_size > 1
+    inputs, targets = _pipeline_batch(spec, microbatches, root.model.config.vocab_size)
     steps: list[dict[str, Any]] = []
     window: dict[str, float] = {}
     for step in range(spec["warmup_steps"] + spec["measured_steps"]):
@@ -412,25 +443,13 @@ def _pipeline_case(spec: dict[str, Any], case: dict[str, Any], timers: ScheduleT
             parameter.grad = None
         dist.barrier()  # both ranks start the schedule together, so each one's wall time is the step's
         if step == spec["warmup_steps"]:
-            cpu_times = read_cpu_times()
-            window = {
-                "wall_start": time.perf_counter(),
-                "process_cpu_start": time.process_time(),
-                "busy_start": cpu_times.busy_seconds if cpu_times else float("nan"),
-            }
+            window = _window_start()
         timers.reset()
         start = time.perf_counter()
         engine.pipeline.train_step((inputs, targets), _next_token_loss, 1.0)
         wall = time.perf_counter() - start
         if measured:
-            steps.append(
-                {
-                    "wall_seconds": wall,
-                    **{f"{key}_seconds": value for key, value in timers.seconds.items()},
-                    "transfers": timers.transfers,
-                    "transfer_bytes": timers.transfer_bytes,
-                }
-            )
+            steps.append(_step_record(wall, timers))
     dist.barrier()
     cpu_times = read_cpu_times()
     engine.remove()

@@ -106,6 +106,58 @@ def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: in
     )
 
 
+def _step_times_by_label(accepted: Sequence[Mapping[str, Any]], statistic: str) -> dict[str, dict[int, float]]:
+    """Each accepted run's step time (``statistic`` over its ranks' steps), by label and repeat."""
+    step_times: dict[str, dict[int, float]] = {}
+    for run in accepted:
+        per_rank = [rank["step_times"] for rank in run["ranks"]]
+        step_times.setdefault(run["label"], {})[run["repeat"]] = run_step_time(per_rank, statistic)
+    return step_times
+
+
+def _summarize_configuration(
+    configuration: Mapping[str, Any],
+    own_runs: Sequence[Mapping[str, Any]],
+    by_repeat: dict[int, float],
+    ratios: list[float],
+    tokens_per_step: int,
+) -> ConfigurationSummary:
+    """One configuration's figures from its accepted runs (in repeat order) and their step times by repeat."""
+    label, mode = configuration["label"], configuration["mode"]
+    world_size = len(own_runs[0]["ranks"])
+    # Runs of one configuration should hold the same model state: a second fingerprint means they did not.
+    byte_fingerprints = {
+        tuple(
+            (rank["bytes"]["parameters"], rank["bytes"]["gradients"], rank["bytes"]["optimizer_state"])
+            for rank in run["ranks"]
+        )
+        for run in own_runs
+    }
+    loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
+    first = own_runs[0]
+    data_parallel_size = first["ranks"][0].get("data_parallel_size", world_size)
+    return ConfigurationSummary(
+        label=label,
+        strategy=configuration["strategy"],
+        mode=mode,
+        formula_expression=MODEL_STATE_FORMULAS[mode].expression() if mode else None,
+        parameter_count=first["ranks"][0]["parameter_count"],
+        step_time_by_repeat=by_repeat,
+        step_time=summarize(list(by_repeat.values())),
+        tokens_per_second=tokens_per_step * data_parallel_size / world_size / _median(list(by_repeat.values())),
+        ratio_to_peer=summarize(ratios) if ratios else None,
+        ratios_to_peer=ratios,
+        peak_rss_bytes_per_rank=[
+            _median([run["ranks"][rank]["peak_rss_bytes"] for run in own_runs]) for rank in range(world_size)
+        ],
+        model_state=[_rank_bytes(rank_result, mode, world_size) for rank_result in first["ranks"]],
+        bytes_identical_across_runs=len(byte_fingerprints) == 1,
+        other_load=summarize(loads) if loads else None,
+        final_loss=sum(rank["losses"][-1] for rank in first["ranks"]) / world_size,
+        tensor_parallel_parameter_count=first["ranks"][0].get("tensor_parallel_parameter_count"),
+    )
+
+
 def summarize_configurations(
     runs: Sequence[Mapping[str, Any]],
     configurations: Sequence[Mapping[str, Any]],
@@ -124,51 +176,16 @@ def summarize_configurations(
             smaller ``data_parallel_size`` (tensor- or sequence-parallel ranks share a batch) is scaled down to it.
     """
     accepted = [run for run in runs if run["status"] in ACCEPTED_STATUSES]
-    step_times: dict[str, dict[int, float]] = {}
-    for run in accepted:
-        per_rank = [rank["step_times"] for rank in run["ranks"]]
-        step_times.setdefault(run["label"], {})[run["repeat"]] = run_step_time(per_rank, statistic)
+    step_times = _step_times_by_label(accepted, statistic)
     summaries = []
     for configuration in configurations:
-        label, mode = configuration["label"], configuration["mode"]
+        label = configuration["label"]
         own_runs = sorted((run for run in accepted if run["label"] == label), key=lambda run: run["repeat"])
         if not own_runs:
             continue
-        world_size = len(own_runs[0]["ranks"])
         by_repeat = step_times[label]
         ratios = paired_ratios(by_repeat, step_times.get(peer, {})) if peer and label != peer else []
-        byte_fingerprints = {
-            tuple(
-                (rank["bytes"]["parameters"], rank["bytes"]["gradients"], rank["bytes"]["optimizer_state"])
-                for rank in run["ranks"]
-            )
-            for run in own_runs
-        }
-        loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
-        first = own_runs[0]
-        data_parallel_size = first["ranks"][0].get("data_parallel_size", world_size)
-        summaries.append(
-            ConfigurationSummary(
-                label=label,
-                strategy=configuration["strategy"],
-                mode=mode,
-                formula_expression=MODEL_STATE_FORMULAS[mode].expression() if mode else None,
-                parameter_count=first["ranks"][0]["parameter_count"],
-                step_time_by_repeat=by_repeat,
-                step_time=summarize(list(by_repeat.values())),
-                tokens_per_second=tokens_per_step * data_parallel_size / world_size / _median(list(by_repeat.values())),
-                ratio_to_peer=summarize(ratios) if ratios else None,
-                ratios_to_peer=ratios,
-                peak_rss_bytes_per_rank=[
-                    _median([run["ranks"][rank]["peak_rss_bytes"] for run in own_runs]) for rank in range(world_size)
-                ],
-                model_state=[_rank_bytes(rank_result, mode, world_size) for rank_result in first["ranks"]],
-                bytes_identical_across_runs=len(byte_fingerprints) == 1,
-                other_load=summarize(loads) if loads else None,
-                final_loss=sum(rank["losses"][-1] for rank in first["ranks"]) / world_size,
-                tensor_parallel_parameter_count=first["ranks"][0].get("tensor_parallel_parameter_count"),
-            )
-        )
+        summaries.append(_summarize_configuration(configuration, own_runs, by_repeat, ratios, tokens_per_step))
     return summaries
 
 
