@@ -57,6 +57,7 @@ from lightning_colossal.config import (
     validate_precision,
 )
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
 
 
 class DynamicLossScaler:
@@ -307,7 +308,8 @@ class ColossalPrecision(Precision):
             for group in _group_by_device_and_dtype(gradients):
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, unit_scale)
             flags[world_size + rank] = found[0]
-        collectives.all_reduce(flags, op="max", group=self.process_group)
+        with Activity("voting on non-finite losses and gradients"):
+            collectives.all_reduce(flags, op="max", group=self.process_group)
         seen = flags.cpu().tolist()
         return (
             [index for index in range(world_size) if seen[index] > 0],
@@ -324,7 +326,8 @@ class ColossalPrecision(Precision):
             inverse_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, device=device)
             for group in _group_by_device_and_dtype(gradients):
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found_overflow, inverse_scale)
-        return collectives.any_rank_true(found_overflow, group=self.process_group)
+        with Activity("voting on a gradient overflow (loss scaler)"):
+            return collectives.any_rank_true(found_overflow, group=self.process_group)
 
     # ------------------------------------------------------------------------------------------ clipping
     def clip_gradients(

@@ -7,6 +7,10 @@ collectives directly (see ``tests/unit/test_layering.py``).
 Every function is a no-op (or the identity) when no process group is initialised, so single-process code paths
 (unit tests, the consolidate command, ``devices=1`` runs) need no special cases.
 
+Every call into torch.distributed here runs inside ``in_flight.Collective`` (asynchronous ones return an
+``in_flight.RecordedWork``), so a collective that times out or fails says which one it was ([Note: the collective in
+flight] in ``in_flight.py``).
+
 [Note: all-reduce on gloo]
 Sharded engines need two exchanges: "each rank ends with the sum of its own rows" (a reduce-scatter) and "each rank
 ends with every rank's rows" (an all-gather). On gloo, reduce-scatter and all-gather cost ~3x an all-reduce of the
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_colossal.distributed.group_cache import reuse_or_create, set_group_timeout
+from lightning_colossal.distributed.in_flight import Collective, RecordedWork
 
 T = TypeVar("T")
 
@@ -68,10 +73,11 @@ def barrier(group: ProcessGroup | None = None) -> None:
     if not is_initialized():
         return
     device_ids = _device_ids_for_barrier(group)
-    if device_ids is None:
-        dist.barrier(group=group)
-    else:
-        dist.barrier(group=group, device_ids=device_ids)
+    with Collective("barrier", group):
+        if device_ids is None:
+            dist.barrier(group=group)
+        else:
+            dist.barrier(group=group, device_ids=device_ids)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None = None) -> torch.Tensor:
@@ -89,13 +95,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None
         return tensor
     if name in _MEAN_NAMES:
         # gloo has no AVG; SUM then divide works on every backend and keeps integer inputs meaningful.
-        dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
+        with Collective("all_reduce", group, tensor):
+            dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
         if tensor.is_floating_point() or tensor.is_complex():
             tensor.div_(world_size(group))
         else:
             tensor = tensor.double().div_(world_size(group))
         return tensor
-    dist.all_reduce(tensor, op=_REDUCE_OPS[name], group=group)
+    with Collective("all_reduce", group, tensor):
+        dist.all_reduce(tensor, op=_REDUCE_OPS[name], group=group)
     return tensor
 
 
@@ -118,7 +126,8 @@ def broadcast_object(obj: T, source_rank: int = 0, group: ProcessGroup | None = 
     if not is_initialized():
         return obj
     container: list[Any] = [obj]
-    dist.broadcast_object_list(container, group_src=source_rank, group=group)
+    with Collective("broadcast_object_list", group, peer=source_rank):
+        dist.broadcast_object_list(container, group_src=source_rank, group=group)
     return container[0]
 
 
@@ -127,7 +136,8 @@ def gather_objects(obj: T, group: ProcessGroup | None = None) -> list[T]:
     if not is_initialized():
         return [obj]
     gathered: list[Any] = [None] * world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
+    with Collective("all_gather_object", group):
+        dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
@@ -145,9 +155,12 @@ def all_gather_tensor(
     if sync_grads:
         from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 
-        return torch.stack(differentiable_all_gather(tensor, group=group if group is not None else dist.group.WORLD))
+        with Collective("all_gather", group, tensor):  # the forward's gather; its backward is not recorded
+            gathered = differentiable_all_gather(tensor, group=group if group is not None else dist.group.WORLD)
+        return torch.stack(gathered)
     gathered = [torch.empty_like(tensor) for _ in range(world_size(group))]
-    dist.all_gather(gathered, tensor, group=group)
+    with Collective("all_gather", group, tensor):
+        dist.all_gather(gathered, tensor, group=group)
     return torch.stack(gathered)
 
 
@@ -175,7 +188,7 @@ def reduce_own_slot_async(
     group: ProcessGroup | None,
     scatter: bool,
     output: torch.Tensor | None = None,
-) -> tuple[dist.Work | None, torch.Tensor]:
+) -> tuple[RecordedWork | None, torch.Tensor]:
     """Start summing the rank-major flat ``slots`` (one equal slot per rank of ``group``) over the ranks; returns the
     handle to ``wait()`` on (``None`` when nothing was sent) and the tensor that then holds this rank's slot of the sum.
 
@@ -191,21 +204,25 @@ def reduce_own_slot_async(
     return all_reduce_async(slots, group), own
 
 
-def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) -> dist.Work | None:
+def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) -> RecordedWork | None:
     """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone)."""
     if not is_initialized() or world_size(group) == 1:
         return None
-    return dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=True)
+    with Collective("all_reduce", group, tensor):  # launching can fail too (a peer already gone)
+        work = dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=True)
+    return RecordedWork(work, "all_reduce", group, tensor)
 
 
 def reduce_scatter_async(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None
-) -> dist.Work | None:
+) -> RecordedWork | None:
     """Start a SUM reduce-scatter: rank r receives the sum of every rank's r-th equal slice of ``input``."""
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
         return None
-    return dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=True)
+    with Collective("reduce_scatter", group, input):
+        work = dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=True)
+    return RecordedWork(work, "reduce_scatter", group, input)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None) -> None:
@@ -213,14 +230,16 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
         return
-    dist.all_gather_into_tensor(output, input, group=group)
+    with Collective("all_gather_into_tensor", group, input):
+        dist.all_gather_into_tensor(output, input, group=group)
 
 
 def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the one of ``source_rank`` (a rank within the group)."""
     if not is_initialized() or world_size(group) == 1:
         return
-    dist.broadcast(tensor, group_src=source_rank, group=group)
+    with Collective("broadcast", group, tensor, peer=source_rank):
+        dist.broadcast(tensor, group_src=source_rank, group=group)
 
 
 def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGroup | None:
@@ -234,10 +253,11 @@ def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGro
         return None
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     group_backend = backend(group)
-    second = reuse_or_create(
-        ("second_group", ranks, group_backend),
-        lambda: dist.new_group(ranks=list(ranks), timeout=timeout, backend=group_backend),
-    )
+    with Collective("new_group", group):  # every rank must reach it: a rank missing here hangs the others
+        second = reuse_or_create(
+            ("second_group", ranks, group_backend),
+            lambda: dist.new_group(ranks=list(ranks), timeout=timeout, backend=group_backend),
+        )
     set_group_timeout(second, timeout)
     return second
 
@@ -249,11 +269,12 @@ def gather_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = No
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     output = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    if backend(group) == "gloo":
-        # gloo's all_gather_into_tensor is missing on some builds; the list form is always there.
-        dist.all_gather(list(output.chunk(size)), moved, group=group)
-    else:
-        dist.all_gather_into_tensor(output, moved, group=group)
+    with Collective("all_gather", group, moved):
+        if backend(group) == "gloo":
+            # gloo's all_gather_into_tensor is missing on some builds; the list form is always there.
+            dist.all_gather(list(output.chunk(size)), moved, group=group)
+        else:
+            dist.all_gather_into_tensor(output, moved, group=group)
     return output.movedim(0, dim)
 
 
@@ -290,7 +311,8 @@ def all_to_all_along(
     pieces = [piece.contiguous() for piece in tensor.chunk(size, dim=scatter_dim)]
     send = torch.cat([piece.reshape(-1) for piece in pieces])
     receive = torch.empty_like(send)
-    dist.all_to_all_single(receive, send, group=group)
+    with Collective("all_to_all_single", group, send):
+        dist.all_to_all_single(receive, send, group=group)
     received = [piece.view(pieces[0].shape) for piece in receive.chunk(size)]
     return torch.cat(received, dim=gather_dim)
 
@@ -299,7 +321,8 @@ def sum_within_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     """All-reduce (SUM) in place within ``group``, skipping the call for a group of one; returns ``tensor``."""
     if group is None or world_size(group) == 1:
         return tensor
-    dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
+    with Collective("all_reduce", group, tensor):
+        dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
     return tensor
 
 
@@ -320,7 +343,8 @@ def new_group_containing(rank_lists: list[list[int]], timeout: timedelta) -> Pro
             ranks: dist.new_group(ranks=list(ranks), timeout=timeout, backend=group_backend) for ranks in sorted_lists
         }
 
-    groups = reuse_or_create(("groups_containing", sorted_lists, group_backend), create)
+    with Collective("new_group"):  # every rank must reach it: a rank missing here hangs the others
+        groups = reuse_or_create(("groups_containing", sorted_lists, group_backend), create)
     own = dist.get_rank()
     mine = next((group for ranks, group in groups.items() if own in ranks), None)
     set_group_timeout(mine, timeout)
@@ -335,15 +359,18 @@ def send_tensor(tensor: torch.Tensor, destination: int, group: ProcessGroup) -> 
     header = torch.zeros(10, dtype=torch.int64, device=tensor.device)
     header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
     header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    dist.send(header, group_dst=destination, group=group)
-    dist.send(tensor.contiguous(), group_dst=destination, group=group)
+    with Collective("send", group, tensor, peer=destination):
+        dist.send(header, group_dst=destination, group=group)
+        dist.send(tensor.contiguous(), group_dst=destination, group=group)
 
 
 def receive_tensor(source: int, group: ProcessGroup, device: torch.device) -> torch.Tensor:
     """Receive a tensor sent with ``send_tensor`` from ``source``, a rank within ``group``."""
     header = torch.zeros(10, dtype=torch.int64, device=device)
-    dist.recv(header, group_src=source, group=group)
+    with Collective("recv", group, peer=source):  # the shape is not known until the header arrives
+        dist.recv(header, group_src=source, group=group)
     dimensions, dtype = int(header[0]), _DTYPES[int(header[1])]
     tensor = torch.empty(tuple(header[2 : 2 + dimensions].tolist()), dtype=dtype, device=device)
-    dist.recv(tensor, group_src=source, group=group)
+    with Collective("recv", group, tensor, peer=source):
+        dist.recv(tensor, group_src=source, group=group)
     return tensor

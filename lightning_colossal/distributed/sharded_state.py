@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.rows import ShardSpec
 
 
@@ -44,7 +45,8 @@ def received_on_any_rank(received: Tensor, group: ProcessGroup | None) -> list[b
     """Per flag of ``received`` (1.0 where this rank's parameter got a gradient), whether any rank of ``group`` set
     it ([Note: gradients nobody produced]); ``received`` itself is left as it is."""
     anywhere = received.clone()
-    collectives.all_reduce(anywhere, op="max", group=group)
+    with Activity("agreeing which parameters got a gradient on any rank"):
+        collectives.all_reduce(anywhere, op="max", group=group)
     return anywhere.bool().tolist()
 
 
@@ -190,7 +192,8 @@ def scale_to_global_norm(
     for device_gradients in _by_device(counted):
         # Per-tensor norms in one fused pass per device (as torch's clip_grad_norm_), summed in fp64.
         squares += torch.stack(torch._foreach_norm(device_gradients, 2.0)).double().pow(2).sum().to(device)
-    collectives.all_reduce(squares, op="sum", group=process_group)
+    with Activity("summing the gradient norm for clipping"):
+        collectives.all_reduce(squares, op="sum", group=process_group)
     norm = squares.sqrt().float()
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for device_gradients in _by_device(gradients):

@@ -9,7 +9,9 @@ launcher kills every rank when a child exits, but not when rank 0 dies, and torc
 
 So every rank runs one daemon thread that, every ``interval`` seconds:
 
-1. writes its heartbeat ``"<counter> <step> <host> <pid>"`` under ``<prefix>/rank<r>`` in the rendezvous store;
+1. writes its heartbeat ``"<counter> <step> <host> <pid> <collective>"`` under ``<prefix>/rank<r>`` in the rendezvous
+   store, the last field a compact form of the collective this rank is in (empty outside one; ``in_flight.py``
+   [Note: the collective in flight]), so a report names what a stopped peer was doing;
 2. reads the heartbeat of *one* peer, the next rank in a ring (``(r + 1) % world``), so the store sees O(world)
    requests per interval, not O(world^2). A peer has stopped when its counter has not changed for ``timeout``
    seconds (measured on this host's monotonic clock, so clocks of different hosts never need to agree), or at once
@@ -17,9 +19,9 @@ So every rank runs one daemon thread that, every ``interval`` seconds:
 3. reads the shared failure report ``<prefix>/failure``; the first rank that detects a failure writes it, so every
    rank prints the name of the rank that actually stopped, not of the neighbour that noticed.
 
-On a failure it prints one line to stderr and ends this process with ``EXIT_CODE`` (``os._exit``: the main thread may
-be blocked inside a collective that will never return, so nothing softer works). The last atomic checkpoint is
-untouched; ``fit(ckpt_path="last")`` resumes.
+On a failure it prints one line to stderr, with the collective this rank itself is waiting in, and ends this process
+with ``EXIT_CODE`` (``os._exit``: the main thread may be blocked inside a collective that will never return, so
+nothing softer works). The last atomic checkpoint is untouched; ``fit(ckpt_path="last")`` resumes.
 
 Store requests run on a helper thread and are waited for with a deadline: when the store's host (rank 0) is gone,
 a TCPStore request can block far longer than the store's own timeout, and the watchdog must not block with it.
@@ -40,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+
+from lightning_colossal.distributed import in_flight
 
 #: Exit code of a process the watchdog stopped: EX_TEMPFAIL ("temporary failure, try again"), because the fix is to
 #: relaunch and resume from the last checkpoint.
@@ -73,6 +77,8 @@ class _PeerView:
     host: str = ""
     pid: int = 0
     changed_at: float = 0.0
+    collective: str = ""  # the compact form of the collective it was in at its last heartbeat
+    finished: bool = False  # it ended its run normally
 
 
 class HeartbeatWatchdog:
@@ -195,12 +201,14 @@ class HeartbeatWatchdog:
     def _judge_peer(self, heartbeat: str, now: float) -> str | None:
         view = self._peer_view
         if heartbeat == STOPPED:
+            view.finished = True
             self._stop.set()  # the peer finished normally; nothing left to watch
             return None
         if heartbeat:
-            counter, step, host, pid = heartbeat.split(" ", 3)
+            counter, step, host, pid, *collective = heartbeat.split(" ", 4)
             if counter != view.counter:
                 view.counter, view.step, view.host, view.pid, view.changed_at = counter, step, host, int(pid), now
+                view.collective = collective[0] if collective else ""
         silent = now - view.changed_at
         if view.counter is not None and view.host == self._host and not _process_alive(view.pid):
             reason = f"its process (pid {view.pid} on {view.host}) is gone"
@@ -208,13 +216,33 @@ class HeartbeatWatchdog:
             reason = "no heartbeat yet" if view.counter is None else f"last heartbeat {silent:.1f} s ago"
         else:
             return None
+        doing = f", in {view.collective}" if view.collective else ""
         report = (
-            f"rank {self.peer} stopped responding ({reason}; it was at step {view.step}), seen by rank {self.rank} at"
-            f" step {self._step()}"
+            f"rank {self.peer} stopped responding ({reason}; it was at step {view.step}{doing}), seen by rank"
+            f" {self.rank} at step {self._step()}"
         )
         # The first rank to notice writes the report; the others print the same one.
         written = self._request(lambda store: store.compare_set(self._failure_key(), "", report))
         return _decode(written) if written else report
+
+    def peer_status(self) -> str | None:
+        """What the watched peer's last heartbeat said: its step and the collective it was in (``None`` before one).
+
+        For the notes of a collective timeout when no peer stopped: a rank that is alive but late (stuck in Python,
+        skipping a collective) keeps heartbeating, and what it is doing is then the answer. Read from the main thread
+        while the watchdog thread may update the fields: at worst a mix of two consecutive heartbeats.
+        """
+        view = self._peer_view
+        if view.finished:
+            return f"rank {self.peer} (watched by rank {self.rank}) had finished its run"
+        if view.counter is None:
+            return None
+        doing = f"in {view.collective}" if view.collective else in_flight.NOT_IN_A_COLLECTIVE
+        seen = time.monotonic() - view.changed_at
+        return (
+            f"rank {self.peer} (watched by rank {self.rank}) was at step {view.step}, {doing} (heartbeat {seen:.1f} s"
+            " ago)"
+        )
 
     def _fail(self, report: str) -> None:
         self.failure = report
@@ -223,9 +251,11 @@ class HeartbeatWatchdog:
             # The main thread is already raising an error; ending the process here would hide it.
             message = f"[rank{self.rank}] lightning_colossal watchdog: {report}. {resume}"
         else:
+            # The main thread is blocked (or busy) where it is now: say where, since no exception will.
+            waiting = in_flight.waiting_sentence(self.rank, in_flight.current())
             message = (
-                f"[rank{self.rank}] lightning_colossal watchdog: {report}; stopping this process (exit code"
-                f" {EXIT_CODE}) instead of waiting for the collective timeout. {resume}"
+                f"[rank{self.rank}] lightning_colossal watchdog: {report}; {waiting}; stopping this process (exit"
+                f" code {EXIT_CODE}) instead of waiting for the collective timeout. {resume}"
             )
         if self._on_failure is not None:
             self._on_failure(message)
@@ -239,7 +269,9 @@ class HeartbeatWatchdog:
     # ------------------------------------------------------------------------------------------ store access
     def _beat(self) -> bool:
         self._counter += 1
-        heartbeat = f"{self._counter} {self._step()} {self._host} {os.getpid()}"
+        record = in_flight.current()
+        collective = "" if record is None else record.compact()
+        heartbeat = f"{self._counter} {self._step()} {self._host} {os.getpid()} {collective}"
         return self._request(lambda store: store.set(self._key(self.rank), heartbeat) or True) is not None
 
     def _request(self, operation: Callable[[Any], Any]) -> Any:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.autograd_graph import leaves_reached_from
+from lightning_colossal.distributed.in_flight import Activity
 
 
 def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> None:
@@ -53,7 +54,8 @@ class UnusedGradientTracker:
     def after_synchronising_backward(self) -> None:
         """After the backward that reduced gradients: drop the zero gradients of parameters no rank reached."""
         reached_anywhere = self.reached.clone()
-        collectives.all_reduce(reached_anywhere, op="max")
+        with Activity("agreeing which parameters got a gradient on any rank"):
+            collectives.all_reduce(reached_anywhere, op="max")
         for parameter, reached in zip(self.parameters, reached_anywhere.bool().tolist(), strict=True):
             if not reached:
                 parameter.grad = None

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
 from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.gemini import checkpoint_state
@@ -165,7 +166,7 @@ class GeminiEngine:
             # Every rank runs the same initialisation, window by window, and keeps its rows (initialise.py).
             materialise_chunks(self.module, self.manager, self.compute_device, self.config.init_window_bytes)
             return
-        with torch.no_grad():
+        with torch.no_grad(), Activity("broadcasting rank 0's initial weights into the chunks"):
             for chunk in self.manager.chunks:
                 for member, parameter in zip(chunk.spec.members, chunk.parameters, strict=True):
                     # Replicas must start identical (as DDP guarantees): rank 0's values win.
@@ -175,8 +176,9 @@ class GeminiEngine:
                     chunk.member_shard(chunk.shard, member).view(-1).copy_(rows)
                 self.manager.detach_parameters(chunk)
         self.manager.shards_to_masters()
-        for tensor in [*self.replicated, *self.module.buffers()]:
-            collectives.broadcast_tensor(tensor.data, source_rank=0, group=self.process_group)
+        with Activity("broadcasting rank 0's replicated parameters and buffers"):
+            for tensor in [*self.replicated, *self.module.buffers()]:
+                collectives.broadcast_tensor(tensor.data, source_rank=0, group=self.process_group)
 
     def _install_hooks(self) -> ChunkHooks:
         placement = self.config.placement

@@ -60,11 +60,14 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_colossal.distributed import collectives, sharded_state
 from lightning_colossal.distributed.autograd_graph import leaves_reached_from
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.eviction import Evictor
-from lightning_colossal.gemini.manager import ChunkManager
+from lightning_colossal.gemini.manager import ChunkManager, describe_chunk
 from lightning_colossal.gemini.prefetch import Prefetcher
 from lightning_colossal.gemini.tracer import MemoryTracer
+
+MAX_CHUNKS_NAMED = 3  # in a hang report's label for a gather round; the rest are counted
 
 
 class ChunkHooks:
@@ -223,7 +226,8 @@ class ChunkHooks:
             if requested:
                 flags[sorted(requested)] = 1.0
                 flags[-1] = 1.0
-            collectives.all_reduce(flags, op="max", group=self.process_group)
+            with Activity(_describe_round, requested, chunks):
+                collectives.all_reduce(flags, op="max", group=self.process_group)
             asked = flags.bool().tolist()
             union = [index for index in range(len(chunks)) if asked[index]]
             anyone_asked = asked[-1]
@@ -347,3 +351,14 @@ def _tensors_in(output: Any) -> Iterator[Tensor]:
         values = output.to_tuple() if hasattr(output, "to_tuple") else vars(output).values()
         for item in values:
             yield from _tensors_in(item)
+
+
+def _describe_round(requested: set[int], chunks: list[Chunk]) -> str:
+    # An activity label, formatted only when a hang report is made (distributed/in_flight.py).
+    if not requested:
+        return "agreeing which chunks to gather (this rank asks for none)"
+    indices = sorted(requested)
+    asked = ", ".join(describe_chunk("", chunks[index]) for index in indices[:MAX_CHUNKS_NAMED])
+    if len(indices) > MAX_CHUNKS_NAMED:
+        asked += f", ... {len(indices)} chunks"
+    return f"agreeing which chunks to gather (this rank asks for {asked})"

@@ -29,9 +29,10 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity, RecordedWork
 from lightning_colossal.distributed.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.layout import ChunkMember, ChunkSpec
@@ -143,7 +144,8 @@ class ChunkManager:
         if self.world_size == 1:
             full.copy_(source)
         else:
-            work = self._exchange_rows(chunk, source, full)
+            with Activity(describe_chunk, "gathering", chunk):
+                work = self._exchange_rows(chunk, source, full)
         chunk.full = full
         self._count_working_set(_nbytes(full))
         if work is not None and asynchronous:
@@ -172,7 +174,7 @@ class ChunkManager:
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
 
-    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> Work | None:
+    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | None:
         """Start filling the zeroed ``full`` with every rank's rows of ``chunk``, this rank giving its shard
         ``source`` ([Note: chunk collectives per backend]); returns the handle to wait on (``None``: done)."""
         if self.use_scatter_gather:
@@ -253,9 +255,10 @@ class ChunkManager:
         state is unchanged: it may be gathered here already, or not needed)."""
         source = chunk.shard.to(self.compute_device, non_blocking=True)
         full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
-        work = self._exchange_rows(chunk, source, full)
-        if work is not None:
-            work.wait()
+        with Activity(describe_chunk, "contributing rows to another rank's gather of", chunk):
+            work = self._exchange_rows(chunk, source, full)
+            if work is not None:
+                work.wait()
 
     def reduce(self, chunk: Chunk, bound_in_flight: bool = True) -> None:
         """Start averaging the chunk's full gradient over the ranks; ``complete_reductions`` adds the own rows to the
@@ -270,6 +273,14 @@ class ChunkManager:
             full = self.allocate_full_gradient(chunk)
         chunk.full_gradient = None
         chunk.gradients_arrived = 0
+        with Activity(describe_chunk, "reducing the gradients of", chunk):
+            self._launch_reduction(chunk, full)
+        # Bound the full gradients in flight: the working set stays a few chunks, not the whole model (once no rank
+        # can still need a gather round from this one: hooks.py [Note: gathering in rounds]).
+        self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT if bound_in_flight else None)
+
+    def _launch_reduction(self, chunk: Chunk, full: Tensor) -> None:
+        """Start the collective of ``reduce`` and queue it (its handle keeps the activity label for the wait)."""
         if self.use_scatter_gather and self.world_size > 1:
             staging = torch.zeros(
                 self.world_size, chunk.spec.slot_numel, dtype=torch.float32, device=self.compute_device
@@ -281,9 +292,6 @@ class ChunkManager:
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)
             self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
-        # Bound the full gradients in flight: the working set stays a few chunks, not the whole model (once no rank
-        # can still need a gather round from this one: hooks.py [Note: gathering in rounds]).
-        self.complete_reductions(block=False, keep_at_most=MAX_REDUCTIONS_IN_FLIGHT if bound_in_flight else None)
 
     def complete_reductions(self, block: bool, keep_at_most: int | None = None) -> None:
         """Fold finished reductions into the shard gradients, in launch order: all of them with ``block``, else
@@ -350,6 +358,16 @@ class ChunkManager:
     def chunk_bytes_by_chunk(self, optimizer_state: dict[Any, Any] | None = None) -> list[ChunkBytes]:
         """``chunk_bytes`` of each chunk on its own, in chunk order (where each chunk's bytes live)."""
         return [_one_chunk_bytes(chunk, optimizer_state) for chunk in self.chunks]
+
+
+def describe_chunk(doing: str, chunk: Chunk) -> str:
+    """``gathering chunk 3 (blocks.2.attn.qkv.weight, ... 4 parameters)`` (without ``doing`` when it is empty): an
+    activity label, formatted only when a hang report is made (``distributed/in_flight.py``)."""
+    members = chunk.spec.members
+    names = members[0].name if members else ""
+    if len(members) > 1:
+        names += f", ... {len(members)} parameters"
+    return f"{doing} chunk {chunk.index} ({names})".lstrip()
 
 
 def _flat_member(full: Tensor, member: ChunkMember) -> Tensor:

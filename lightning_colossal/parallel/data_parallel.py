@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.staging import copy_out_of_flat
 from lightning_colossal.parallel.tensor_parallel import local_view
 
@@ -34,7 +35,8 @@ class GradientAverager:
                 parameter.grad = torch.zeros_like(parameter)
         for bucket in self._buckets():
             flat = torch.cat([gradient.reshape(-1) for gradient in bucket])
-            collectives.all_reduce(flat, op="mean", group=self.group)
+            with Activity("averaging data-parallel gradients"):
+                collectives.all_reduce(flat, op="mean", group=self.group)
             copy_out_of_flat(flat, bucket)
 
     def _buckets(self) -> list[list[Tensor]]:

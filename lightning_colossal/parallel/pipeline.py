@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_colossal.config import HybridConfig
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.parallel.batches import pipeline_batch
 from lightning_colossal.parallel.groups import HybridGroups, stage_tie_group
 from lightning_colossal.parallel.names import ParameterNames
@@ -126,7 +127,8 @@ class PipelineStep:
         for parameter in self.tied:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
-            collectives.sum_within_group(parameter.grad, self.tie_group)
+            with Activity("summing the gradients of weights tied across pipeline stages"):
+                collectives.sum_within_group(parameter.grad, self.tie_group)
 
     def counts_in_norm(self, parameter_key: int) -> bool:
         """Whether this rank's stages count parameter ``parameter_key`` in the gradient norm: a weight tied across
@@ -194,7 +196,8 @@ class PipelineStep:
             scalar = loss.detach().float().reshape(()).clone()
         else:
             scalar = torch.zeros((), device=self.device)
-        collectives.all_reduce(scalar, op="sum", group=self.group)
+        with Activity("sharing the last pipeline stage's loss"):
+            collectives.all_reduce(scalar, op="sum", group=self.group)
         return scalar
 
 

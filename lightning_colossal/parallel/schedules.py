@@ -20,6 +20,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
 
 
 @dataclass
@@ -124,21 +125,30 @@ class PipelineRunner:
         )
         outputs = []
         with torch.no_grad():
-            for piece in pieces:
+            for micro_batch, piece in enumerate(pieces):
                 hidden = piece
                 for stage in range(self.num_stages):
                     if holders[stage] != own:
                         continue
-                    if stage > 0 and holders[stage - 1] != own:
-                        hidden = collectives.receive_tensor(holders[stage - 1], self.group, self.device)
-                    assert hidden is not None
-                    hidden = module_of[stage](hidden)
-                    if stage + 1 < self.num_stages and holders[stage + 1] != own:
-                        collectives.send_tensor(hidden, holders[stage + 1], self.group)
+                    with Activity("evaluating pipeline stage {}, micro-batch {}", stage, micro_batch):
+                        hidden = self._run_stage_in_order(stage, hidden, holders, module_of)
                 if self.holds_last:
                     assert hidden is not None
                     outputs.append(hidden)
         return PipelineResult(loss=None, outputs=outputs)
+
+    def _run_stage_in_order(
+        self, stage: int, hidden: Tensor | None, holders: list[int], module_of: dict[int, nn.Module]
+    ) -> Tensor:
+        """One stage of ``_evaluate_in_order``: receive from the previous stage's rank, run, send to the next."""
+        own = collectives.rank(self.group)
+        if stage > 0 and holders[stage - 1] != own:
+            hidden = collectives.receive_tensor(holders[stage - 1], self.group, self.device)
+        assert hidden is not None
+        hidden = module_of[stage](hidden)
+        if stage + 1 < self.num_stages and holders[stage + 1] != own:
+            collectives.send_tensor(hidden, holders[stage + 1], self.group)
+        return hidden
 
 
 def _scaled_loss(
@@ -146,6 +156,7 @@ def _scaled_loss(
 ) -> Callable[[Tensor, Any], Tensor]:
     # Dividing each loss (not the gradients afterwards, as the schedules' scale_grads does) keeps gradients that
     # Lightning accumulates over several batches intact.
+
     def scaled(output: Tensor, target: Any) -> Tensor:
         return loss_function(output, target) / num_microbatches
 

@@ -33,6 +33,12 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 # evaluate the same model.
 from lightning.pytorch.overrides.distributed import _sync_module_states
 
+# The popen launcher's thread in rank 0's process that SIGKILLs every rank (itself included) within 5 s of a child
+# rank exiting with an error; launcher.py finds it among the threads to say which rank died before that happens
+# (rank 0 may not reach a collective, and so never print our own report, before it is killed). Its attributes
+# `_child_processes` and `_terminate_all` are used; both exist with these names in 2.5.0 and 2.6.6.
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
 # The launchers: popen for scripts, torchrun and SLURM; the multiprocessing one (spawn, fork for notebooks) is
 # subclassed in launcher.py to send full weights back, and its return value (_WorkerOutput) must keep its layout.
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -43,6 +49,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 __all__ = [
+    "_ChildProcessObserver",
     "_ForwardRedirection",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",

@@ -2,21 +2,25 @@
 
 A part of ``ColossalStrategy`` (``strategies/base.py``), split out by what it owns; not used on its own. The
 watchdog (``distributed/watchdog.py`` [Note: why a watchdog]) starts with the process group and stops at teardown.
-After a failed run, teardown lets it name a lost peer and adds the rank and global step to the error, and it tells
-the modes not to start a collective that the other ranks may never reach (``_failure_being_torn_down``).
+After a failed run, teardown lets it name a lost peer and adds the rank, the global step and the collective this
+rank was waiting in (``distributed/in_flight.py`` [Note: the collective in flight]) to the error, and it tells the
+modes not to start a collective that the other ranks may never reach (``_failure_being_torn_down``).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import collectives, in_flight
 from lightning_colossal.distributed.watchdog import HeartbeatWatchdog, next_generation
+from lightning_colossal.strategies._lightning_private import _ChildProcessObserver
 
 
 class FailureReportingMixin(ParallelStrategy):
@@ -29,6 +33,7 @@ class FailureReportingMixin(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._start_watchdog()
+        announce_child_exits_before_the_launcher_stops_all(first_child_rank=self.global_rank + 1)
 
     def teardown(self) -> None:
         self._finish_watchdog()
@@ -84,19 +89,69 @@ class FailureReportingMixin(ParallelStrategy):
             self._annotate_failure(failure)
 
     def _annotate_failure(self, exception: BaseException) -> None:
-        """Say where an error left this rank's run, so a collective timeout or a peer's crash reads with its step.
+        """Say where an error left this rank's run, so a collective timeout or a peer's crash reads with its step and
+        the collective this rank was waiting in.
 
         When the error looks like a lost peer, the watchdog gets a moment to name the rank that stopped (one heartbeat
         interval finds a dead process on this host) before the error propagates.
         """
         watchdog = self._watchdog
-        wait = 2 * watchdog.interval + 0.5 if watchdog is not None and _looks_like_lost_peer(exception) else 0.0
+        lost_peer = _looks_like_lost_peer(exception)
+        wait = 2 * watchdog.interval + 0.5 if watchdog is not None and lost_peer else 0.0
         report = self._stop_watchdog(clean=False, wait_for_failure=wait)
-        exception.add_note(
-            f"lightning_colossal: raised on rank {self.global_rank} at global step {self._current_global_step()}."
-        )
+        exception.add_note(_where_it_failed(exception, self.global_rank, self._current_global_step(), lost_peer))
         if report is not None:
             exception.add_note(f"lightning_colossal watchdog: {report}.")
+        elif lost_peer and watchdog is not None and (status := watchdog.peer_status()) is not None:
+            # No peer stopped: the one this rank waited for may be alive but late; its heartbeat says where it is.
+            exception.add_note(f"lightning_colossal watchdog: {status}.")
+
+
+def announce_child_exits_before_the_launcher_stops_all(first_child_rank: int) -> None:
+    """Make Lightning's popen launcher say which rank died before it kills every rank.
+
+    In the process of each node's local rank 0, the popen launcher runs a thread that polls the other local ranks every
+    5 s and, when one has exited with an error, SIGKILLs them all and this process, with one log line at info level
+    that a run's output usually hides. Rank 0 is often killed before it reaches a collective with the dead rank, so
+    neither its own error nor the watchdog's report is printed: the run would end with no word on which rank died or
+    what to do. The thread's clean-up is wrapped (once) to print that first. No such thread (torchrun, SLURM, spawn,
+    another local rank): nothing to do.
+    """
+    for thread in threading.enumerate():
+        if not isinstance(thread, _ChildProcessObserver) or getattr(thread, "_colossal_announces", False):
+            continue
+        terminate_all = thread._terminate_all
+        children = thread._child_processes
+
+        def announce_then_terminate(terminate_all=terminate_all, children=children) -> None:
+            for index, child in enumerate(children):
+                if child.returncode:
+                    sentence = _child_exit_sentence(first_child_rank + index, child.pid, child.returncode)
+                    print(f"[rank{first_child_rank - 1}] {sentence}", file=sys.stderr, flush=True)
+            terminate_all()
+
+        thread._terminate_all = announce_then_terminate
+        thread._colossal_announces = True
+
+
+def _child_exit_sentence(rank: int, pid: int, returncode: int) -> str:
+    how = f"was killed by {signal.Signals(-returncode).name}" if returncode < 0 else f"exited with code {returncode}"
+    return (
+        f"lightning_colossal: rank {rank} (pid {pid}) {how}; Lightning's launcher"
+        " now stops every rank of this node. Relaunch and call `trainer.fit(..., ckpt_path='last')` to continue from the"
+        " last checkpoint."
+    )
+
+
+def _where_it_failed(exception: BaseException, rank: int, step: int | None, lost_peer: bool) -> str:
+    """The note naming the rank, the step and the collective the error came from (``in_flight.py``)."""
+    record = in_flight.record_of(exception)
+    if record is not None:
+        return f"lightning_colossal: {in_flight.waiting_sentence(rank, record)}, at global step {step}."
+    if lost_peer:
+        # A timeout or a lost peer outside our collectives: say so, so nobody looks for the hang in our engines.
+        return f"lightning_colossal: raised on rank {rank} at global step {step}, {in_flight.OUTSIDE}."
+    return f"lightning_colossal: raised on rank {rank} at global step {step}."
 
 
 def _looks_like_lost_peer(exception: BaseException) -> bool:

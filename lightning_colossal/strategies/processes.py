@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_colossal.config import StartMethod
 from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.strategies._lightning_private import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -165,16 +166,20 @@ class ProcessGroupMixin(ParallelStrategy):
             # e.g. a loss computed under tensor parallelism's loss_parallel (replicated over the tp ranks)
             tensor = tensor.full_tensor()
         op = reduce_op if isinstance(reduce_op, str) else _reduce_op_name(reduce_op)
-        return collectives.all_reduce(tensor.clone(), op=op or "mean", group=group)
+        with Activity("Lightning's strategy.reduce (self.log(..., sync_dist=True), a metric or a callback)"):
+            return collectives.all_reduce(tensor.clone(), op=op or "mean", group=group)
 
     def barrier(self, name: str | None = None) -> None:
-        collectives.barrier()
+        with Activity("Lightning's strategy.barrier({!r})", name):
+            collectives.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast_object(obj, source_rank=src)
+        with Activity("Lightning's strategy.broadcast (from rank {})", src):
+            return collectives.broadcast_object(obj, source_rank=src)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        return collectives.all_gather_tensor(tensor, group=group, sync_grads=sync_grads)
+        with Activity("Lightning's strategy.all_gather (self.all_gather or a callback)"):
+            return collectives.all_gather_tensor(tensor, group=group, sync_grads=sync_grads)
 
 
 def _reduce_op_name(reduce_op: Any) -> str | None:

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
 from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.distributed.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
 from lightning_colossal.zero.layout import shard_spec
@@ -140,7 +141,7 @@ class ZeroEngine:
     def _broadcast_parameters(self) -> None:
         # Replicas must start identical, as DDP guarantees at wrap time: frozen weights too (a LoRA base), which no
         # step ever re-synchronises.
-        with torch.no_grad():
+        with torch.no_grad(), Activity("broadcasting rank 0's initial parameters"):
             for parameter in self.module.parameters():
                 collectives.broadcast_tensor(parameter.data, source_rank=0, group=self.process_group)
 
@@ -213,11 +214,12 @@ class ZeroEngine:
         """
         if self.world_size == 1:
             return
-        for bucket in self.reducer.buckets:
-            if self.use_scatter_gather:
-                self._all_gather_bucket(bucket.members, bucket.dtype)
-            else:
-                self._all_reduce_bucket(bucket)
+        for index, bucket in enumerate(self.reducer.buckets):
+            with Activity("gathering the updated parameters of bucket {} of {}", index + 1, len(self.reducer.buckets)):
+                if self.use_scatter_gather:
+                    self._all_gather_bucket(bucket.members, bucket.dtype)
+                else:
+                    self._all_reduce_bucket(bucket)
 
     def _all_reduce_bucket(self, bucket: Bucket) -> None:
         total = sum(member.parameter.numel() for member in bucket.members)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup, Work
+from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity, RecordedWork
 from lightning_colossal.zero.layout import ShardSpec, plan_buckets
 
 
@@ -48,7 +49,7 @@ class Bucket:
     numel: int  # stage 1: full gradients; stage 2: one rank's slot
     gradients: Tensor | None = None  # stage 1 persistent buffer, stage 2 staging buffer (transient)
     pending: int = 0
-    work: Work | None = None
+    work: RecordedWork | None = None
     own_slot: Tensor | None = None  # stage 2, while in flight: where this rank's slot of the sum arrives
 
 
@@ -123,7 +124,7 @@ class GradientReducer:
         """``member``'s gradient for this backward is ready in ``.grad``: put it where the bucket reduces it."""
         raise NotImplementedError
 
-    def _start_reduction(self, bucket: Bucket) -> Work | None:
+    def _start_reduction(self, bucket: Bucket) -> RecordedWork | None:
         """Launch the bucket's collective; returns its handle (``None`` when nothing was sent)."""
         raise NotImplementedError
 
@@ -189,11 +190,13 @@ class GradientReducer:
             bucket = self.buckets[self._next_to_launch]
             if bucket.pending > 0 and not force:
                 return
-            self._launch(bucket)
+            self._launch(bucket, self._next_to_launch)
             self._next_to_launch += 1
 
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.work = self._start_reduction(bucket)
+    def _launch(self, bucket: Bucket, index: int) -> None:
+        # The handle keeps this label: the bucket is waited for later, maybe at the end of backward.
+        with Activity("reducing gradient bucket {} of {}", index + 1, len(self.buckets)):
+            bucket.work = self._start_reduction(bucket)
         self._in_flight.append(bucket)
         if self.max_in_flight is not None:
             while len(self._in_flight) > self.max_in_flight:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.distributed import Work
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import RecordedWork
 from lightning_colossal.distributed.staging import rows_into_slots
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
 
@@ -77,7 +77,7 @@ class Stage1Reducer(GradientReducer):
             view.copy_(parameter.grad)
             parameter.grad = view
 
-    def _start_reduction(self, bucket: Bucket) -> Work | None:
+    def _start_reduction(self, bucket: Bucket) -> RecordedWork | None:
         assert bucket.gradients is not None
         return collectives.all_reduce_async(bucket.gradients, self.process_group)
 
@@ -161,7 +161,7 @@ class Stage2Reducer(GradientReducer):
         rows_into_slots(gradient.reshape(-1), member.spec, slots, member.bucket_offset)
         parameter.grad = None
 
-    def _start_reduction(self, bucket: Bucket) -> Work | None:
+    def _start_reduction(self, bucket: Bucket) -> RecordedWork | None:
         staging = self._staging(bucket)  # a bucket no member gave a gradient on this rank takes part with zeros
         output = self.acquire(bucket.dtype, bucket.numel) if self.use_reduce_scatter else None
         work, bucket.own_slot = collectives.reduce_own_slot_async(

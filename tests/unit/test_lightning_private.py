@@ -19,6 +19,7 @@ LIGHTNING_DISTRIBUTIONS = ("lightning", "pytorch_lightning", "lightning_fabric",
 
 # (module, name) of every private Lightning name the package uses, as `_lightning_private.py` imports them.
 PRIVATE_NAMES = [
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver"),
     ("lightning.fabric.utilities.cloud_io", "_load"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),
     ("lightning.fabric.utilities.distributed", "_init_dist_connection"),
