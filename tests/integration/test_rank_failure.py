@@ -50,10 +50,16 @@ SCRIPT = (
         def __init__(self, how):
             self.how = how
 
+        def on_train_start(self, trainer, module):
+            print(f"RANK{trainer.global_rank} pid={os.getpid()}", flush=True)
+
         def on_train_batch_start(self, trainer, module, batch, batch_index):
+            if trainer.global_step == FAILURE_STEP and trainer.global_rank == 0 and self.how == "kill_rank_zero":
+                print(f"FAILING pid={os.getpid()} at={time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             if trainer.global_step == FAILURE_STEP and trainer.global_rank == 0 and self.how == "kill_while_busy":
                 time.sleep(12)  # outside any collective: Lightning's launcher (5 s poll) ends this process first
-            if trainer.global_step == FAILURE_STEP and trainer.global_rank == 1:
+            if trainer.global_step == FAILURE_STEP and trainer.global_rank == 1 and self.how != "kill_rank_zero":
                 print(f"FAILING pid={os.getpid()} at={time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)
 
@@ -88,7 +94,7 @@ SCRIPT = (
 
     if __name__ == "__main__":
         mode, names = sys.argv[1], sys.argv[2].split(",")
-        if mode in ("kill", "stop", "kill_while_busy"):
+        if mode in ("kill", "stop", "kill_while_busy", "kill_rank_zero"):
             fit(names[0], callbacks=[FailRankOne(mode)])
             print("UNREACHABLE: fit returned after a rank failed", flush=True)
         elif mode == "kill_in_save":
@@ -182,6 +188,37 @@ def test_a_rank_that_dies_while_rank_zero_is_busy_is_named_before_the_launcher_e
         output,
     ), output[-4000:]
     assert ended - float(failing.group(2)) < 12, "ended by the launcher within its 5 s poll, not after rank 0's sleep"
+
+
+@pytest.mark.slow
+def test_when_rank_zero_dies_the_other_rank_exits_within_seconds_naming_it(tmp_path):
+    # Rank 0 holds the rendezvous store and the launcher; when it dies nothing of Lightning's stops rank 1, which
+    # would wait in its next collective until the 30-minute timeout. The watchdog must end it, naming rank 0.
+    returncode, output, ended, failing = _launch(tmp_path, "kill_rank_zero", "zero2")
+    assert failing is not None and returncode == -signal.SIGKILL, (returncode, output[-4000:])
+    survivor = re.search(r"RANK1 pid=(\d+)", output)
+    assert survivor is not None, output[-4000:]
+    deadline = time.time() + HEARTBEAT_TIMEOUT_SECONDS + 25
+    while _alive(int(survivor.group(1))) and time.time() < deadline:
+        time.sleep(0.2)
+    alive = _alive(int(survivor.group(1)))
+    if alive:
+        os.kill(int(survivor.group(1)), signal.SIGKILL)
+    seconds = time.time() - float(failing.group(2))
+    output = (tmp_path / "kill_rank_zero-zero2.log").read_text()
+    assert not alive, f"rank 1 still running {seconds:.0f} s after rank 0 died:\n{output[-4000:]}"
+    print(f"seconds from SIGKILL of rank 0 to rank 1's exit: {seconds:.1f}")
+    assert re.search(r"\[rank1\][^\n]*rank 0 stopped responding", output), output[-4000:]
+    assert "UNREACHABLE" not in output, output[-4000:]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not a zombie: an orphaned rank is reaped by init, maybe not at once)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.mark.slow
