@@ -63,7 +63,7 @@ def required_initialisers(module: nn.Module) -> list[Callable[[], None]]:
     return initialisers
 
 
-def _placeholder_in_place(tensor: Tensor) -> None:
+def placeholder_in_place(tensor: Tensor) -> None:
     """Swap a meta tensor for a real one of the same shape that owns one element (stride 0), keeping its identity,
     so ``.data`` can later point it at real buffers without allocating the whole tensor."""
     placeholder = torch.zeros((), dtype=tensor.dtype).expand(tensor.shape)
@@ -171,7 +171,7 @@ def initialise_in_windows(
     tensors = _named_tensors(template)
     for _, tensor in tensors:
         if tensor.is_meta:
-            _placeholder_in_place(tensor)
+            placeholder_in_place(tensor)
     candidates = [(names, tensor) for names, tensor in tensors if wanted(names)]
     sizes = [tensor.numel() * tensor.element_size() for _, tensor in candidates]
     # Even with nothing wanted, one pass runs: the random stream must advance as on the ranks that want something.

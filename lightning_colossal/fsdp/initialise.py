@@ -9,17 +9,29 @@ runs the model's own initialiser on it, window by window, handing each tensor's 
 keeps its shard. Every rank starts from rank 0's random state, so the shards fit together into exactly the model
 an eager build of the same seed gives (for models whose constructors draw nothing themselves, as there). Peak
 memory is one window, not the model.
+
+A model carrying pretrained weights (``distributed/pretrained.py`` [Note: pretrained weights on the meta device])
+reads each rank's shard straight from its safetensors files instead: the local rows (or columns) of every ``Shard``
+placement, computed the way DTensor splits (``torch.chunk``), so no rank reads another rank's rows.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lightning_colossal.distributed.meta_init import initialise_in_windows, start_from_rank_zero_random_state
+from lightning_colossal.distributed.pretrained import (
+    Piece,
+    Sliceable,
+    copy_into,
+    fill_from_pretrained,
+    has_pretrained_weights,
+)
 
 DEFAULT_INIT_WINDOW_BYTES = 1 << 30
 
@@ -49,17 +61,72 @@ def initialise_shards(module: nn.Module, template: nn.Module, device: torch.devi
     def keep(names: list[str], whole: Tensor) -> None:
         targets = {id(live[name]): live[name] for name in names if name in live}
         for target in targets.values():
-            if isinstance(target, DTensor):
-                # src_data_rank=None: every rank cuts its own shard from the same whole value, no communication.
-                shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
-                target.to_local().copy_(shard.to_local())
-            else:
-                target.copy_(whole)
+            _store_shard(target, whole)
 
-    start_from_rank_zero_random_state(device)
-    initialise_in_windows(template, lambda names: any(name in live for name in names), keep, device, window_bytes)
+    if has_pretrained_weights(template):
+        fill_from_pretrained(template, template, _pretrained_pieces(live), device, window_bytes)
+    else:
+        start_from_rank_zero_random_state(device)
+        initialise_in_windows(template, lambda names: any(name in live for name in names), keep, device, window_bytes)
     left = [
         name for name, tensor in live.items() if (tensor.to_local() if isinstance(tensor, DTensor) else tensor).is_meta
     ]
     if left:
         raise ValueError(f"{left[:5]} are still on the meta device after initialisation: build them on a real device.")
+
+
+def _store_shard(target: Tensor, whole: Tensor) -> None:
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank cuts its own shard from the same whole value, no communication.
+        shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(whole)
+
+
+def _pretrained_pieces(live: dict[str, Tensor]) -> list[Piece]:
+    """Every live tensor once, with all its names, cut to this rank's shard where DTensor's split is plain slicing."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in live.items():
+        names.setdefault(id(tensor), []).append(name)
+    pieces = []
+    for tensor_names in names.values():
+        target = live[tensor_names[0]]
+        ranges = _local_ranges(target) if isinstance(target, DTensor) else None
+        if ranges is None or not isinstance(target, DTensor):
+            # Whole, then cut like the initialised path (a replicated tensor, or a placement slicing cannot express).
+            pieces.append(Piece(tensor_names, lambda source: source[...], _whole_storer(target)))
+        else:
+            index = tuple(slice(start, stop) for start, stop in ranges)
+            pieces.append(Piece(tensor_names, _slicer(index), copy_into(target.to_local())))
+    return pieces
+
+
+def _local_ranges(target: DTensor) -> list[tuple[int, int]] | None:
+    """``[start, stop)`` per dimension of this rank's shard, or ``None`` when a placement is not a plain ``Shard``
+    or ``Replicate``. DTensor splits like ``torch.chunk``: pieces of ``ceil(length / parts)``, the last ones shorter
+    or empty."""
+    ranges = [(0, size) for size in target.shape]
+    coordinate = target.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for mesh_dim, placement in enumerate(target.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard:
+            return None
+        start, stop = ranges[placement.dim]
+        step = -(-(stop - start) // target.device_mesh.size(mesh_dim))
+        begin = min(start + coordinate[mesh_dim] * step, stop)
+        ranges[placement.dim] = (begin, min(begin + step, stop))
+    if tuple(stop - start for start, stop in ranges) != tuple(target.to_local().shape):
+        return None  # a split other than torch.chunk's: read whole and let DTensor cut
+    return ranges
+
+
+def _slicer(index: tuple[slice, ...]) -> Callable[[Sliceable], Tensor]:
+    return lambda source: source[index or ...]  # a zero-dimensional tensor has no dimension to slice
+
+
+def _whole_storer(target: Tensor) -> Callable[[Tensor], None]:
+    return lambda whole: _store_shard(target, whole)

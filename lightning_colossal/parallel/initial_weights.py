@@ -6,10 +6,14 @@ A model built on the meta device (``Trainer.init_module(empty_init=True)``, or `
 ``configure_model``) is split and cut while it still has no storage, so each rank only ever materialises the
 tensor-parallel pieces of the stages it runs. Their values come from the model's own initialiser, run over a
 storage-free copy of the unsplit model in windows (``distributed/meta_init.py``): exactly the pieces of what that
-initialiser gives the whole model from the same seed, whatever the layout.
+initialiser gives the whole model from the same seed, whatever the layout. A model carrying pretrained weights
+(``distributed/pretrained.py`` [Note: pretrained weights on the meta device]) reads each piece straight from its
+safetensors files instead: the blocks of the split dimension this tensor-parallel rank holds, nothing else.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,8 +26,17 @@ from lightning_colossal.distributed.meta_init import (
     materialise_in_place,
     start_from_rank_zero_random_state,
 )
+from lightning_colossal.distributed.pretrained import (
+    Piece,
+    Sliceable,
+    copy_into,
+    fill_from_pretrained,
+    has_pretrained_weights,
+    ranges_along,
+    whole,
+)
 from lightning_colossal.parallel.policy import ParallelPlan
-from lightning_colossal.parallel.tensor_parallel import ParallelContext, shard_of
+from lightning_colossal.parallel.tensor_parallel import ParallelContext, TensorParallelPlacement, shard_of
 
 
 def replicate_from_rank_zero(root: nn.Module, reduce_group: ProcessGroup | None) -> None:
@@ -74,12 +87,55 @@ def initialise_from_template(
             piece = whole if placement is None else shard_of(whole, placement, context.tp_rank, context.tp_size)
             target.data.copy_(piece)
 
-    # Every rank must draw the same whole values to cut consistent pieces (the eager path broadcasts instead).
-    start_from_rank_zero_random_state(device)
-    initialise_in_windows(template, lambda names: bool(held(names)), keep, device, window_bytes)
+    if has_pretrained_weights(template):
+        pieces = _pretrained_pieces(template, held, plan, context)
+        fill_from_pretrained(template, template, pieces, device, window_bytes)
+    else:
+        # Every rank must draw the same whole values to cut consistent pieces (the eager path broadcasts instead).
+        start_from_rank_zero_random_state(device)
+        initialise_in_windows(template, lambda names: bool(held(names)), keep, device, window_bytes)
     left = [name for name, tensor in live.items() if tensor.is_meta]
     if left:
         raise ValueError(
             f"{left[:5]} are on the meta device but outside the model the policy splits: build every module of the"
             " LightningModule inside that model, or on a real device."
         )
+
+
+def _pretrained_pieces(
+    template: nn.Module,
+    held: Callable[[list[str]], list[Tensor]],
+    plan: ParallelPlan,
+    context: ParallelContext,
+) -> list[Piece]:
+    """One piece per tensor this rank holds, named as in ``template`` (the unsplit model), cut to its
+    tensor-parallel piece."""
+    named: dict[int, tuple[list[str], Tensor]] = {}
+    for name, tensor in [
+        *template.named_parameters(remove_duplicate=False),
+        *template.named_buffers(remove_duplicate=False),
+    ]:
+        named.setdefault(id(tensor), ([], tensor))[0].append(name)
+    pieces = []
+    for names, whole_tensor in named.values():
+        for target in held(names):
+            placement = plan.placements.get(id(target))
+            cut = whole if placement is None else _tensor_parallel_cut(placement, whole_tensor.shape, context)
+            pieces.append(Piece(names, cut, copy_into(target)))
+    return pieces
+
+
+def _tensor_parallel_cut(
+    placement: TensorParallelPlacement, shape: torch.Size, context: ParallelContext
+) -> Callable[[Sliceable], Tensor]:
+    """This rank's blocks of the split dimension, as ``shard_of`` cuts them from the whole tensor."""
+    lengths = placement.block_lengths(shape[placement.dim])
+    if context.tp_size == 1 or any(length % context.tp_size for length in lengths):
+        # Whole, and shard_of splits it (or says why it cannot).
+        return lambda source: shard_of(whole(source), placement, context.tp_rank, context.tp_size)
+    ranges, offset = [], 0
+    for length in lengths:
+        step = length // context.tp_size
+        ranges.append((offset + context.tp_rank * step, offset + (context.tp_rank + 1) * step))
+        offset += length
+    return lambda source: ranges_along(source, placement.dim, ranges)

@@ -41,6 +41,7 @@ from lightning_colossal.config import (
     validate_start_method,
 )
 from lightning_colossal.distributed.meta_init import has_meta_tensors
+from lightning_colossal.distributed.pretrained import has_pretrained_weights, materialise_whole
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
 from lightning_colossal.strategies.docstrings import complete_argument_docs
@@ -158,6 +159,9 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         assert self.model is not None
         if self.materialises_meta_models and has_meta_tensors(self.model):
             return  # the engine materialises this rank's shards on the device
+        if has_pretrained_weights(self.model) and has_meta_tensors(self.model):
+            # Whole-model strategies (colossal_ddp, ZeRO) hold every weight on every rank: read them all here.
+            materialise_whole(self.model, self.root_device)
         self.model.to(self.root_device)
 
     @contextmanager
