@@ -8,14 +8,25 @@ Nothing here imports torch or Lightning, so the orchestrator parses its argument
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import MODEL_STATE_FORMULAS, STRATEGY_MODES
 
-__all__ = ["BENCHMARK_MODEL", "Configuration", "RunSpec", "parse_configuration", "parse_strategy_names"]
+__all__ = [
+    "BENCHMARK_MODEL",
+    "DEEPSPEED_INSTALL_COMMAND",
+    "DEEPSPEED_STAGES",
+    "Configuration",
+    "RunSpec",
+    "check_deepspeed_installed",
+    "parse_configuration",
+    "parse_strategy_names",
+]
 
 # The 27.4M-parameter benchmark GPT (benchmarks/RESULTS.md, "Method"): d512, 6 layers, 8 heads, vocabulary 8192,
 # untied LM head.
@@ -29,6 +40,32 @@ BENCHMARK_MODEL: dict[str, Any] = {
 }
 
 _CONFIGURATION_KEYS = ("label", "strategy", "args", "mode")
+
+# DeepSpeed's ZeRO stages as peer configurations, by name. They are not Lightning strategies: Lightning's
+# DeepSpeedStrategy refuses CPU accelerators, so the worker drives DeepSpeed's own engine for them
+# (benchmarks/deepspeed_worker.py). Their ``args`` are merged over the engine's ``zero_optimization`` settings.
+DEEPSPEED_STAGES: dict[str, int] = {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
+# DeepSpeed's setup.py imports torch, so pip's isolated build environment (which has no torch) cannot build it.
+DEEPSPEED_INSTALL_COMMAND = "pip install --no-build-isolation 'lightning_colossal[benchmark-deepspeed]'"
+
+
+def deepspeed_installed() -> bool:
+    """Whether ``import deepspeed`` can find the package (it is not imported: that takes seconds)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def check_deepspeed_installed(configurations: Sequence[Configuration]) -> None:
+    """Fail before any run starts when a DeepSpeed configuration is asked for and DeepSpeed is missing.
+
+    Raises:
+        ValueError: naming the configurations and the install command.
+    """
+    wanted = [configuration.label for configuration in configurations if configuration.strategy in DEEPSPEED_STAGES]
+    if wanted and not deepspeed_installed():
+        raise ValueError(
+            f"{', '.join(wanted)} need DeepSpeed, which is not installed; install the optional extra with "
+            f"`{DEEPSPEED_INSTALL_COMMAND}` (or `pip install --no-build-isolation deepspeed`)."
+        )
 
 
 @dataclass(frozen=True)

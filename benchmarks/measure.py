@@ -143,6 +143,12 @@ STRATEGY_MODES: dict[str, str] = {
     "colossal_gemini_offload": "zero3",
     "colossal_fsdp": "zero3",
     "fsdp": "zero3",
+    # DeepSpeed's own engine (benchmarks/deepspeed_worker.py). Measured departures from these formulas: stages 1 and
+    # 2 keep their fp32 master partition as a copy even in fp32 (+4Ψ/N), and stage 1 has already freed the full
+    # gradients when AdamW steps (4Ψ/N left); stage 3 keeps parameters under its persistence threshold whole.
+    "deepspeed_zero1": "zero1",
+    "deepspeed_zero2": "zero2",
+    "deepspeed_zero3": "zero3",
 }
 
 

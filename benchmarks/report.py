@@ -24,6 +24,9 @@ class RankBytes:
 
     ``memory_report``, ``gathered_peak`` (with where it came from) and ``tensor_walk`` are only present for Gemini
     ranks, whose bytes come from the engine's report (see ``benchmarks.measure.gemini_model_state_bytes``).
+    ``parameter_split``, ``engine_other_bytes`` and ``engine_bytes_by_attribute`` only for DeepSpeed ranks
+    (``benchmarks.deepspeed_worker``): what their parameter bytes are made of, and the tensors their ZeRO optimizer
+    holds beyond the model state.
     """
 
     rank: int
@@ -38,6 +41,9 @@ class RankBytes:
     gathered_peak: int | None = None
     gathered_peak_source: str | None = None
     tensor_walk: dict[str, int | None] | None = None
+    parameter_split: dict[str, int] | None = None
+    engine_other_bytes: int | None = None
+    engine_bytes_by_attribute: dict[str, int] | None = None
 
     @property
     def total(self) -> int:
@@ -103,6 +109,9 @@ def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: in
         gathered_peak=measured.get("gathered_peak"),
         gathered_peak_source=measured.get("gathered_peak_source"),
         tensor_walk=measured.get("tensor_walk"),
+        parameter_split=measured.get("parameter_split"),
+        engine_other_bytes=measured.get("engine_other_bytes"),
+        engine_bytes_by_attribute=measured.get("engine_bytes_by_attribute"),
     )
 
 
@@ -324,6 +333,33 @@ def _memory_report_notes(label: str, model_state: Sequence[RankBytes]) -> list[s
     return notes
 
 
+def _deepspeed_notes(label: str, model_state: Sequence[RankBytes]) -> list[str]:
+    """What a DeepSpeed row's parameter bytes are made of and what else its ZeRO optimizer holds."""
+    ranks = [rank_bytes for rank_bytes in model_state if rank_bytes.parameter_split is not None]
+    if not ranks:
+        return []
+    parts = "; ".join(
+        f"rank {rank_bytes.rank}: model parameter storage {split['model_storage']:,} B + DeepSpeed's separate "
+        f"partitions and fp32 masters {split['separate_partitions_and_masters']:,} B"
+        for rank_bytes in ranks
+        if (split := rank_bytes.parameter_split) is not None
+    )
+    notes = [
+        f"{label}: trained by DeepSpeed's own engine (Lightning's DeepSpeedStrategy refuses CPU); params = {parts}. "
+        "Gradients are those present when the wrapped AdamW steps in the last step."
+    ]
+    first = ranks[0]
+    if first.engine_other_bytes is not None:
+        largest = sorted((first.engine_bytes_by_attribute or {}).items(), key=lambda item: -item[1])[:6]
+        attributes = ", ".join(f"{name} {size / _MIB:.2f}" for name, size in largest)
+        notes.append(
+            f"{label}: other tensors its ZeRO optimizer holds at that step, not in the total, MiB per rank: "
+            f"{' / '.join(_mib(rank_bytes.engine_other_bytes) for rank_bytes in ranks)} (allocated, not necessarily "
+            f"touched; beyond the model state by attribute on rank {first.rank}, MiB: {attributes})."
+        )
+    return notes
+
+
 def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
     notes = []
     for summary in summaries:
@@ -333,6 +369,7 @@ def _notes(summaries: Sequence[ConfigurationSummary]) -> list[str]:
             keys = ", ".join(f"{key} {value:,} B" for key, value in rank_bytes.optimizer_state_by_key.items())
             notes.append(f"{summary.label}: optimizer state by key on rank {rank_bytes.rank}: {keys}.")
         notes.extend(_memory_report_notes(summary.label, summary.model_state))
+        notes.extend(_deepspeed_notes(summary.label, summary.model_state))
         if summary.mode is not None and MODEL_STATE_FORMULAS[summary.mode].tensor_parallel:
             split = summary.tensor_parallel_parameter_count or 0
             notes.append(

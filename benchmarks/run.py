@@ -32,7 +32,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configuration import BENCHMARK_MODEL, Configuration, RunSpec, parse_configuration, parse_strategy_names
+from benchmarks.configuration import (
+    BENCHMARK_MODEL,
+    Configuration,
+    RunSpec,
+    check_deepspeed_installed,
+    parse_configuration,
+    parse_strategy_names,
+)
 from benchmarks.machine import cpu_description, git_revision, quiet_load, read_cpu_times, software_versions
 from benchmarks.measure import STEP_TIME_STATISTICS, run_step_time
 from benchmarks.report import ACCEPTED_STATUSES, format_markdown, format_text, summarize_configurations
@@ -149,6 +156,7 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if arguments.strategies is not None:
             configurations.extend(parse_strategy_names(arguments.strategies))
         configurations.extend(parse_configuration(tokens) for tokens in arguments.configuration)
+        check_deepspeed_installed(configurations)
     except ValueError as error:
         parser.error(str(error))
     if not configurations:

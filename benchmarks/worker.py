@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 import lightning_colossal  # noqa: F401  (registers the colossal_* strategy names)
-from benchmarks.configuration import RunSpec
+from benchmarks.configuration import DEEPSPEED_STAGES, RunSpec
 from benchmarks.machine import read_cpu_times
 from benchmarks.measure import gemini_model_state_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
 from lightning_colossal.demo.data import RandomTokenDataset
@@ -159,7 +159,7 @@ class BenchmarkProbe(Callback):
         if batch_idx == self.warmup_steps:
             if self._gathered_sampler is not None:
                 self._gathered_sampler.remove()  # before the window opens: measured steps run without the hooks
-            self._open_window()
+            self.open_window()
         self._step_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -170,7 +170,7 @@ class BenchmarkProbe(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
         if batch_idx == self.total_steps - 1:
-            self._close_window()
+            self.close_window()
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
@@ -216,14 +216,16 @@ class BenchmarkProbe(Callback):
             self.bytes["gathered_peak"] = None
             self.bytes["gathered_peak_source"] = None
 
-    def _open_window(self) -> None:
+    def open_window(self) -> None:
+        """Start the CPU-time window of the measured steps (the load check of ``benchmarks.machine``)."""
         cpu_times = read_cpu_times()
         self.window["wall_start"] = time.perf_counter()
         self.window["process_cpu_start"] = time.process_time()
         self.window["system_busy_start"] = cpu_times.busy_seconds if cpu_times else float("nan")
         self.window["system_steal_start"] = cpu_times.steal_seconds if cpu_times else float("nan")
 
-    def _close_window(self) -> None:
+    def close_window(self) -> None:
+        """End the window opened by ``open_window``: its wall, own CPU, machine busy and steal seconds."""
         cpu_times = read_cpu_times()
         self.window["wall_seconds"] = time.perf_counter() - self.window.pop("wall_start")
         self.window["process_cpu_seconds"] = time.process_time() - self.window.pop("process_cpu_start")
@@ -344,8 +346,8 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
         num_samples=spec.batch_size_per_rank * spec.world_size * spec.total_steps,
         seed=spec.seed,
     )
-    # Not shuffled: every configuration sees the same batches in the same order (Lightning adds the
-    # DistributedSampler that splits them over ranks).
+    # Every configuration sees the same batches in the same order: the loader is not shuffled, and Lightning replaces
+    # its sampler by a DistributedSampler that shuffles training data with a fixed seed (PL_GLOBAL_SEED, else 0).
     loader = DataLoader(dataset, batch_size=spec.batch_size_per_rank, shuffle=False, drop_last=True)
     probe = BenchmarkProbe(spec.warmup_steps, spec.total_steps)
     trainer = Trainer(
@@ -363,6 +365,20 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
     if len(probe.step_times) != spec.measured_steps:
         raise RuntimeError(f"Measured {len(probe.step_times)} steps, expected {spec.measured_steps}.")
     sampler_arguments = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return rank_result(
+        probe,
+        rank,
+        model_config,
+        # Ranks that read different batches; tensor- and sequence-parallel peers share one.
+        data_parallel_size=int(sampler_arguments.get("num_replicas", spec.world_size)),
+        strategy_class=type(trainer.strategy).__qualname__,
+    )
+
+
+def rank_result(
+    probe: BenchmarkProbe, rank: int, model_config: GPTConfig, data_parallel_size: int, strategy_class: str
+) -> dict[str, Any]:
+    """What one rank writes for the orchestrator: its probe's figures, peak RSS and the model's Ψ."""
     return {
         "rank": rank,
         "step_times": probe.step_times,
@@ -373,10 +389,9 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
         "bytes": probe.bytes,
         "parameter_count": parameter_count(model_config),
         "tensor_parallel_parameter_count": probe.tensor_parallel_parameter_count,
-        # Ranks that read different batches; tensor- and sequence-parallel peers share one.
-        "data_parallel_size": int(sampler_arguments.get("num_replicas", spec.world_size)),
+        "data_parallel_size": data_parallel_size,
         "window": probe.window,
-        "strategy_class": type(trainer.strategy).__qualname__,
+        "strategy_class": strategy_class,
     }
 
 
@@ -386,7 +401,14 @@ def main(argv: list[str] | None = None) -> None:
     arguments = parser.parse_args(argv)
     spec = RunSpec.read(arguments.spec)
     rank = int(os.environ["RANK"])
-    result = run(spec, rank)
+    if spec.strategy in DEEPSPEED_STAGES:
+        # Lightning's DeepSpeedStrategy refuses CPU accelerators, so DeepSpeed's own engine trains these runs; imported
+        # only here, so the other configurations run without DeepSpeed installed.
+        from benchmarks.deepspeed_worker import run_deepspeed
+
+        result = run_deepspeed(spec, rank)
+    else:
+        result = run(spec, rank)
     # Written to a temporary name and renamed, so the orchestrator never reads half a file.
     result_path = Path(spec.result_directory) / f"rank{rank}.json"
     temporary_path = result_path.with_suffix(".json.partial")

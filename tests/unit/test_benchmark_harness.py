@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.configuration import BENCHMARK_MODEL, parse_configuration, parse_strategy_names
+import benchmarks.configuration
+from benchmarks.configuration import (
+    BENCHMARK_MODEL,
+    DEEPSPEED_INSTALL_COMMAND,
+    DEEPSPEED_STAGES,
+    check_deepspeed_installed,
+    parse_configuration,
+    parse_strategy_names,
+)
 from benchmarks.measure import (
     MODEL_STATE_FORMULAS,
     STRATEGY_MODES,
@@ -293,6 +301,52 @@ def test_parse_helpers_raise_value_errors() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed configurations (no DeepSpeed needed: whether it is installed is patched either way)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def deepspeed_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchmarks.configuration, "deepspeed_installed", lambda: True)
+
+
+@pytest.fixture
+def deepspeed_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(benchmarks.configuration, "deepspeed_installed", lambda: False)
+
+
+@pytest.mark.usefixtures("deepspeed_present")
+def test_deepspeed_stages_parse_with_their_zero_formulas() -> None:
+    arguments = parse_arguments(
+        ["--strategies", "deepspeed_zero1,deepspeed_zero2,deepspeed_zero3,ddp", "--peer", "ddp"]
+    )
+    assert [configuration.mode for configuration in arguments.configurations] == ["zero1", "zero2", "zero3", "ddp"]
+    assert DEEPSPEED_STAGES == {"deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
+    # args of a DeepSpeed configuration are zero_optimization settings; the mode follows the stage's name.
+    configuration = parse_configuration(
+        ["label=ds3_small_buckets", "strategy=deepspeed_zero3", 'args={"reduce_bucket_size": 6553600}']
+    )
+    assert (configuration.mode, configuration.init_args) == ("zero3", {"reduce_bucket_size": 6553600})
+
+
+@pytest.mark.usefixtures("deepspeed_absent")
+def test_a_missing_deepspeed_is_named_with_its_install_command(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as raised:
+        parse_arguments(["--strategies", "colossal_zero2,deepspeed_zero2", "--peer", "colossal_zero2"])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "deepspeed_zero2 need DeepSpeed, which is not installed" in error
+    assert "pip install --no-build-isolation" in error and "benchmark-deepspeed" in DEEPSPEED_INSTALL_COMMAND
+    # Without a DeepSpeed configuration nothing asks for it.
+    check_deepspeed_installed(parse_strategy_names("colossal_zero2,ddp"))
+    assert parse_arguments(["--strategies", "colossal_zero2,ddp"]).peer is None
+
+
+def test_deepspeed_installed_answers_without_importing_it() -> None:
+    assert isinstance(benchmarks.configuration.deepspeed_installed(), bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Summaries
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -402,3 +456,51 @@ def test_window_other_load_subtracts_every_rank_s_own_cpu_time() -> None:
     assert window_other_load(ranks) == pytest.approx(0.2)
     ranks[0]["window"]["system_busy_seconds"] = float("nan")
     assert window_other_load(ranks) is None
+
+
+def test_deepspeed_notes_split_its_parameters_and_name_its_other_buffers() -> None:
+    run = _run("deepspeed_zero2", 0, 1.0)
+    for rank in run["ranks"]:
+        rank["bytes"] = {
+            # Ψ = 100, N = 2: whole parameters 400 B, a separate fp32 master partition 200 B.
+            "parameters": 600,
+            "gradients": 200,
+            "optimizer_state": 408,
+            "optimizer_state_by_key": {"exp_avg": 200, "exp_avg_sq": 200, "step": 8},
+            "parameter_split": {"model_storage": 400, "separate_partitions_and_masters": 200},
+            "engine_other_bytes": 2 * 1024 * 1024,
+            "engine_bytes_by_attribute": {"ipg_buckets": 2 * 1024 * 1024},
+        }
+    configurations: list[dict[str, Any]] = [
+        {"label": "deepspeed_zero2", "strategy": "deepspeed_zero2", "mode": "zero2"}
+    ]
+    (summary,) = summarize_configurations([run], configurations, None, "min", 1024)
+    assert summary.model_state[0].total - (summary.model_state[0].formula_total or 0) == pytest.approx(208)
+    text = format_text([summary], None, [])
+    assert "model parameter storage 400 B + DeepSpeed's separate partitions and fp32 masters 200 B" in text
+    assert "MiB per rank: 2.00 / 2.00" in text and "ipg_buckets 2.00" in text
+
+
+def test_deepspeed_config_is_fp32_with_lightning_s_zero_defaults_under_the_configuration_s_args() -> None:
+    from benchmarks.configuration import RunSpec
+    from benchmarks.deepspeed_worker import deepspeed_config  # imports no DeepSpeed
+
+    spec = RunSpec(
+        strategy="deepspeed_zero3",
+        init_args={"reduce_bucket_size": 1000},
+        model_config=BENCHMARK_MODEL,
+        world_size=2,
+        batch_size_per_rank=4,
+        sequence_length=128,
+        warmup_steps=1,
+        measured_steps=2,
+        learning_rate=3e-4,
+        seed=0,
+        result_directory="/unused",
+    )
+    config = deepspeed_config(spec)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert config["zero_optimization"]["allgather_bucket_size"] == 200_000_000
+    assert config["train_micro_batch_size_per_gpu"] == 4 and config["zero_allow_untested_optimizer"]
+    assert not {"fp16", "bf16", "optimizer", "scheduler"} & config.keys()  # fp32; torch's AdamW is the client optimizer
