@@ -16,6 +16,8 @@ import sys
 import textwrap
 import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,15 +38,30 @@ SCRIPT = (
     from datetime import timedelta
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, GeminiStrategy, ZeroStrategy
+    from lightning_colossal import (
+        ColossalDDPStrategy, ColossalFSDPStrategy, GeminiStrategy, HybridParallelStrategy, ZeroStrategy,
+    )
+    from lightning_colossal.config import StaticPlacement
     from tests.distributed.oracle import float_state, new_module, quiet_trainer
 
     STRATEGIES = {
         "ddp": lambda: ColossalDDPStrategy(),
+        "zero1_offload": lambda: ZeroStrategy(stage=1, cpu_offload=True),
         "zero2": lambda: ZeroStrategy(stage=2),
         "gemini": lambda: GeminiStrategy(chunk_numel=1100),
+        "gemini_offload": lambda: GeminiStrategy(
+            chunk_numel=1100, placement=StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)
+        ),
         "fsdp": lambda: ColossalFSDPStrategy(),
+        "hybrid": lambda: HybridParallelStrategy(
+            tp_size=2, policy={
+                "model.input": "replicate", "model.norm": "replicate", "model.hidden": "colwise",
+                "model.output": "rowwise",
+            }
+        ),
     }
+    # Per-rank batch: 2 steps per epoch on 64 samples; tp=2 leaves one data-parallel rank, so it takes twice as many.
+    BATCH_SIZE = {"hybrid": 32}
 
     class FailRankOne(Callback):
         def __init__(self, how):
@@ -76,15 +93,17 @@ SCRIPT = (
 
                 FileSystemWriter.write_data = write_data
 
-    def fit(name, callbacks=(), ckpt_path=None):
-        module = new_module(batch_size=16, dropout=0.1, with_scheduler=True)  # 2 steps per epoch at 2 ranks
+    def fit(entry, callbacks=(), ckpt_path=None):
+        # entry: "<directory>/<strategy>" or "<strategy>"; checkpoints go to that directory.
+        name = entry.split("/")[-1]
+        module = new_module(batch_size=BATCH_SIZE.get(name, 16), dropout=0.1, with_scheduler=True)
         # max_epochs, not max_steps: resuming an epoch-end checkpoint under max_steps does not continue identically
         # even without a failure (docs/reliability.md, not covered yet).
         strategy = STRATEGIES[name]()
         strategy.heartbeat_timeout = timedelta(seconds=HEARTBEAT_TIMEOUT_SECONDS)
         if any(getattr(callback, "how", None) == "kill_while_busy" for callback in callbacks):
             strategy.heartbeat_timeout = None  # no watchdog: only the launcher's own clean-up is left to speak
-        checkpoint = ModelCheckpoint(dirpath=name, save_last=True, every_n_epochs=1)
+        checkpoint = ModelCheckpoint(dirpath=entry, save_last=True, every_n_epochs=1)
         trainer = quiet_trainer(
             strategy=strategy, devices=2, max_epochs=MAX_STEPS // 2, callbacks=[checkpoint, *callbacks],
             enable_checkpointing=True,
@@ -100,13 +119,17 @@ SCRIPT = (
         elif mode == "kill_in_save":
             fit(names[0], callbacks=[KillRankOneWhileItWritesShards()])
             print("UNREACHABLE: fit returned after a rank failed", flush=True)
-        else:  # resume every strategy from its last checkpoint, then train it uninterrupted
-            for name in names:
-                trainer, resumed = fit(name, ckpt_path="last")
+        else:  # resume every entry from its last checkpoint; train each strategy once uninterrupted
+            uninterrupted = {}
+            for entry in names:
+                trainer, resumed = fit(entry, ckpt_path="last")
                 assert trainer.global_step == MAX_STEPS
-                _, uninterrupted = fit(name)
+                name = entry.split("/")[-1]
+                if name not in uninterrupted:
+                    uninterrupted[name] = fit(f"uninterrupted/{name}")[1]
                 if trainer.global_rank == 0:
-                    torch.save({"resumed": resumed, "uninterrupted": uninterrupted}, f"{name}-weights.pt")
+                    weights = {"resumed": resumed, "uninterrupted": uninterrupted[name]}
+                    torch.save(weights, f"{entry.replace('/', '-')}-weights.pt")
     """
     )
     .replace("FAILURE_STEP", str(FAILURE_STEP))
@@ -115,7 +138,12 @@ SCRIPT = (
 )
 SCRIPT = SCRIPT.replace("HEARTBEAT_TIMEOUT_SECONDS", str(HEARTBEAT_TIMEOUT_SECONDS))
 
-KILLED = ["ddp", "zero2", "gemini", "fsdp"]
+# Killed mid-step (rank 0 meets the death in a training collective) and killed inside the checkpoint's shard writing
+# (rank 0 meets it in the save's collectives). Every strategy is in one of the two lists, the sharded-checkpoint
+# paths that differ most in both; a launch costs ~10 s of interpreter start-up, so not every pair is run.
+KILLED_MID_STEP = ["zero1_offload", "zero2", "gemini_offload", "fsdp", "hybrid"]
+KILLED_IN_SAVE = ["ddp", "zero2", "gemini", "hybrid"]
+KILLS = (("kill", KILLED_MID_STEP), ("kill_in_save", KILLED_IN_SAVE))
 
 
 def _launch(directory, *arguments: str, timeout: float = 120) -> tuple[int, str, float, re.Match[str] | None]:
@@ -126,7 +154,8 @@ def _launch(directory, *arguments: str, timeout: float = 120) -> tuple[int, str,
     """
     script = directory / "rank_failure.py"
     script.write_text(SCRIPT)
-    log = directory / f"{arguments[0]}-{arguments[1].replace(',', '-')}.log"
+    label = arguments[1].replace(",", "-").replace("/", "-")[:100]
+    log = directory / f"{arguments[0]}-{label}.log"
     environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
     environment.pop("LOCAL_RANK", None)  # set, it would tell Lightning that the ranks already exist
     with open(log, "w") as output_file:
@@ -148,11 +177,53 @@ def _launch(directory, *arguments: str, timeout: float = 120) -> tuple[int, str,
     return returncode, output, ended, failing
 
 
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory) -> dict[str, Any]:
+    """Every launch of the two kill tests, then one launch resuming every killed run and training each strategy
+    uninterrupted (launches dominate the cost; sharing the resume launch halves it)."""
+    directory = tmp_path_factory.mktemp("killed")
+    runs: dict[str, Any] = {}
+    for mode, names in KILLS:
+        for name in names:
+            runs[f"{mode}/{name}"] = _launch(directory, mode, f"{mode}/{name}")
+    # What the cut-short saves left, read before the resume launch writes its own checkpoints there.
+    runs["left"] = {name: _what_was_left(directory / "kill_in_save" / name) for name in KILLED_IN_SAVE}
+    killed = [f"{mode}/{name}" for mode, names in KILLS for name in names]
+    runs["resume"] = _launch(directory, "resume", ",".join(killed), timeout=600)
+    runs["directory"] = directory
+    return runs
+
+
+def _what_was_left(directory: Path) -> dict[str, Any]:
+    files = sorted(path.name for path in directory.glob("*.ckpt"))
+    shards = {name: sorted(path.name for path in (directory / f"{name}.shards").iterdir()) for name in files}
+    last = directory / "last.ckpt"
+    saved = torch.load(last, map_location="cpu", weights_only=False) if last.is_file() else {}
+    callback = next(
+        (value for key, value in saved.get("callbacks", {}).items() if key.startswith("ModelCheckpoint")), {}
+    )
+    named = [callback.get("best_model_path"), callback.get("last_model_path"), *callback.get("best_k_models", {})]
+    return {
+        "files": files,
+        "shards": shards,
+        "global_step": saved.get("global_step"),
+        "named": {path: (directory / os.path.basename(path)).is_file() for path in named if path},
+    }
+
+
+def _assert_resumed_exactly(runs: dict[str, Any], entry: str) -> None:
+    returncode, output, _, _ = runs["resume"]
+    assert returncode == 0, output[-6000:]
+    weights = torch.load(runs["directory"] / f"{entry.replace('/', '-')}-weights.pt")
+    # Same data order, RNG (dropout), LR schedule and optimizer state after the resume: bit for bit.
+    torch.testing.assert_close(weights["resumed"], weights["uninterrupted"], rtol=0, atol=0, msg=entry)
+
+
 @pytest.mark.slow
-def test_killed_rank_stops_the_others_within_seconds_and_fit_resumes_exactly(tmp_path):
+def test_killed_rank_stops_the_others_within_seconds_and_fit_resumes_exactly(killed_runs):
     seconds_to_exit = {}
-    for name in KILLED:
-        returncode, output, ended, failing = _launch(tmp_path, "kill", name)
+    for name in KILLED_MID_STEP:
+        returncode, output, ended, failing = killed_runs[f"kill/{name}"]
         assert failing is not None, output[-4000:]
         assert returncode != 0 and "UNREACHABLE" not in output, output[-4000:]
         seconds_to_exit[name] = ended - float(failing.group(2))
@@ -160,18 +231,13 @@ def test_killed_rank_stops_the_others_within_seconds_and_fit_resumes_exactly(tmp
         # collective first, or else just before Lightning's launcher kills it (its 5 s poll may come first).
         named = r"rank 1 stopped responding \(its process \(pid \d+|rank 1 \(pid \d+\) was killed by SIGKILL; Lightning"
         assert re.search(named, output), (name, output[-4000:])
-        assert (tmp_path / name / "last.ckpt").is_file()
+        assert (killed_runs["directory"] / "kill" / name / "last.ckpt").is_file()
     print("seconds from SIGKILL of rank 1 to the end of the launch:", seconds_to_exit)
     # Far below the 30-minute collective timeout and below the heartbeat timeout: a dead process on this host is
     # found by its pid (the interpreter's exit itself takes a second or two on a loaded machine).
     assert all(seconds < HEARTBEAT_TIMEOUT_SECONDS + 10 for seconds in seconds_to_exit.values()), seconds_to_exit
-
-    returncode, output, _, _ = _launch(tmp_path, "resume", ",".join(KILLED), timeout=300)
-    assert returncode == 0, output[-6000:]
-    for name in KILLED:
-        weights = torch.load(tmp_path / f"{name}-weights.pt")
-        # Same data order, RNG (dropout), LR schedule and optimizer state after the resume: bit for bit.
-        torch.testing.assert_close(weights["resumed"], weights["uninterrupted"], rtol=0, atol=0, msg=name)
+    for name in KILLED_MID_STEP:
+        _assert_resumed_exactly(killed_runs, f"kill/{name}")
 
 
 @pytest.mark.slow
@@ -222,31 +288,22 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_rank_killed_while_writing_shards_leaves_the_previous_checkpoint_last_and_resume_is_exact(tmp_path):
-    for name in KILLED:
-        returncode, output, _, failing = _launch(tmp_path, "kill_in_save", name)
+def test_rank_killed_while_writing_shards_leaves_the_previous_checkpoint_last_and_resume_is_exact(killed_runs):
+    for name in KILLED_IN_SAVE:
+        returncode, output, _, failing = killed_runs[f"kill_in_save/{name}"]
         assert failing is not None, output[-4000:]
         assert returncode != 0 and "UNREACHABLE" not in output, output[-4000:]
-        directory = tmp_path / name
+        left = killed_runs["left"][name]
         # The cut-short save left nothing that looks like a checkpoint: no file (its rename is the commit), no
         # shards directory outside the staging area; the previous checkpoint and `last` are whole.
-        files = sorted(path.name for path in directory.glob("*.ckpt"))
-        assert files == ["epoch=1-step=4.ckpt", "last.ckpt"], (name, files)
-        for checkpoint in files:
-            shards = [path.name for path in (directory / f"{checkpoint}.shards").iterdir()]
-            assert [entry for entry in shards if not entry.startswith(".partial")], (name, checkpoint, shards)
-            assert len([entry for entry in shards if not entry.startswith(".partial")]) == 1, (name, shards)
-        saved = torch.load(directory / "last.ckpt", map_location="cpu", weights_only=False)
-        assert saved["global_step"] == 4, (name, saved["global_step"])
+        assert left["files"] == ["epoch=1-step=4.ckpt", "last.ckpt"], (name, left)
+        for checkpoint, shards in left["shards"].items():
+            assert len([entry for entry in shards if not entry.startswith(".partial")]) == 1, (name, checkpoint, shards)
+        assert left["global_step"] == 4, (name, left)
         # ModelCheckpoint's own bookkeeping in `last` names only checkpoints that exist.
-        state = next(value for key, value in saved["callbacks"].items() if key.startswith("ModelCheckpoint"))
-        for path in [state["best_model_path"], state["last_model_path"], *state.get("best_k_models", {})]:
-            assert not path or (directory / os.path.basename(path)).is_file(), (name, path)
-    returncode, output, _, _ = _launch(tmp_path, "resume", ",".join(KILLED), timeout=300)
-    assert returncode == 0, output[-6000:]
-    for name in KILLED:
-        weights = torch.load(tmp_path / f"{name}-weights.pt")
-        torch.testing.assert_close(weights["resumed"], weights["uninterrupted"], rtol=0, atol=0, msg=name)
+        assert left["named"] and all(left["named"].values()), (name, left)
+    for name in KILLED_IN_SAVE:
+        _assert_resumed_exactly(killed_runs, f"kill_in_save/{name}")
 
 
 @pytest.mark.slow
