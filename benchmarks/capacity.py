@@ -1,0 +1,489 @@
+"""Capacity under a memory budget: the deepest GPT each strategy trains with its device model state kept under B.
+
+Example (the setting of ``benchmarks/RESULTS.md``, "Capacity under a memory budget")::
+
+    python -m benchmarks.capacity --budget-mib 64 --output benchmarks/out/capacity.json
+
+On CPU ranks the compute device and the host are the same RAM, so the budget B is enforced by the engines' own byte
+accounting: the model-state bytes an engine holds *on the compute device* (DDP and ZeRO: parameters, gradients,
+optimizer state and buckets not offloaded; Gemini: every chunk byte its report places on the compute device) must
+stay within B at every sample of every step (``benchmarks.capacity_ranks``; for Gemini, a bound from above built
+with the engine's exact running peak of its working set). Gemini's automatic placement gets
+``compute_memory_budget=B`` and keeps to it itself (it budgets the activations it traced too); the others are
+measured. A model "fits B" when ``--steps`` steps train on every rank with finite losses and no sample exceeds B.
+
+Per strategy, the GPT grows in depth at a fixed width. The planner's formulas (``lightning_colossal.planning``) give
+the depth predicted to fit; real 2-rank runs then confirm the largest depth that fits and the first that does not,
+walking out from the prediction by doubling steps and bisecting (``search_largest``). Fitting is taken to be monotone
+in depth. See ``benchmarks/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.machine import cpu_description, git_revision, software_versions
+from benchmarks.run import REPOSITORY_ROOT, RunFailed, launch_ranks
+
+__all__ = ["CapacityStrategy", "STRATEGIES", "classify", "largest_predicted", "main", "ratio_to", "search_largest"]
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class CapacityStrategy:
+    """One row: a registered strategy, its constructor arguments and how B is kept.
+
+    Args:
+        label: the row's name.
+        strategy: the registered name the ranks build.
+        init_args: JSON constructor arguments; ``"placement": "budget"`` becomes ``AutoPlacement(
+            compute_memory_budget=B)``, any other placement dict is passed to the rank as is.
+        planner_setting: the planner setting (``standard_settings``/``offload_settings`` label) whose formulas
+            predict the device bytes.
+        enforcement: how B is held, for the report.
+    """
+
+    label: str
+    strategy: str
+    init_args: dict[str, Any]
+    planner_setting: str
+    enforcement: str
+
+
+# Buckets are sized for the budget: ZeRO's default 25 MiB bucket would alone take most of a 64 MiB budget, and DDP's
+# reducer keeps a second copy of every gradient unless the gradients are views of its buckets. Each peer gets the
+# setting that uses the least device memory, so the comparison is with their best, not their defaults.
+STRATEGIES: dict[str, CapacityStrategy] = {
+    strategy.label: strategy
+    for strategy in (
+        CapacityStrategy(
+            "colossal_ddp",
+            "colossal_ddp",
+            {"gradient_as_bucket_view": True},
+            "colossal_ddp",
+            "measured: parameters + gradients (DDP's buckets) + optimizer state, tensor walk",
+        ),
+        CapacityStrategy(
+            "colossal_zero2",
+            "colossal_zero2",
+            {"bucket_size_mb": 1.0},
+            "colossal_zero2",
+            "measured: ZeroEngine.memory_report, everything on the device, pooled buckets included",
+        ),
+        CapacityStrategy(
+            "colossal_zero2_offload",
+            "colossal_zero2_offload",
+            {"bucket_size_mb": 1.0},
+            "colossal_zero2_offload",
+            "measured: ZeroEngine.memory_report, parameters + gradient accumulator + buckets on the device",
+        ),
+        CapacityStrategy(
+            "colossal_gemini_offload",
+            "colossal_gemini_offload",
+            {},
+            "colossal_gemini_offload",
+            "measured: Gemini chunk bytes on the compute device (static placement, optimizer offloaded)",
+        ),
+        CapacityStrategy(
+            "colossal_gemini_auto",
+            "colossal_gemini_auto",
+            {"placement": "budget"},
+            "colossal_gemini_offload",
+            "enforced by the engine (AutoPlacement(compute_memory_budget=B)) and measured as for Gemini",
+        ),
+        CapacityStrategy(
+            "colossal_gemini_offload_all",
+            "colossal_gemini",
+            {
+                "placement": {
+                    "kind": "static",
+                    "shard_param_frac": 1.0,
+                    "offload_optim_frac": 1.0,
+                    "offload_param_frac": 1.0,
+                }
+            },
+            "colossal_gemini (all offloaded)",
+            "measured: Gemini chunk bytes on the compute device (static placement, parameter shards offloaded too)",
+        ),
+    )
+}
+DEFAULT_STRATEGIES = (
+    "colossal_ddp,colossal_zero2,colossal_zero2_offload,colossal_gemini_auto,colossal_gemini_offload,"
+    "colossal_gemini_offload_all"
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prediction (planner formulas) and search (pure logic, unit-tested without training)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def model_config(arguments: argparse.Namespace, layers: int) -> dict[str, Any]:
+    """The demo GPT at ``layers`` blocks; the planner's demo defaults (tied head, bias, MLP ratio 4) are kept."""
+    return {
+        "vocab_size": arguments.vocab,
+        "block_size": arguments.sequence_length,
+        "num_layers": layers,
+        "num_heads": arguments.heads,
+        "embed_dim": arguments.embed_dim,
+    }
+
+
+def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int) -> int:
+    """Device bytes the planner's formulas give rank 0 (the fullest) at ``layers`` blocks: only a bracket for the
+    runs, which decide. Gemini adds a working set of two gathered chunks and one fp32 full gradient of the chunk size
+    the runs use; automatic placement adds the activations it will budget for and keeps 10% headroom
+    (``steady_compute_cap_ratio``), so its figure is what B must be, not its model state."""
+    from lightning_colossal.planning import OPTIMIZERS, Training, Workload, activation_estimate, model_state
+    from lightning_colossal.planning.settings import offload_settings, standard_settings
+    from lightning_colossal.planning.sources import DemoOverrides, demo_model
+
+    config = model_config(arguments, layers)
+    model = demo_model(
+        DemoOverrides(
+            layers=layers,
+            hidden=config["embed_dim"],
+            heads=config["num_heads"],
+            vocab=config["vocab_size"],
+            block_size=config["block_size"],
+        )
+    )
+    training = Training("32-true", OPTIMIZERS["adamw"], device_type="cpu")
+    settings = {setting.label: setting for setting in [*standard_settings(), *offload_settings()]}
+    device = model_state(
+        model.shapes, settings[strategy.planner_setting], training, arguments.world_size, 0
+    ).placed.device
+    if strategy.strategy.startswith("colossal_zero"):
+        largest = max(math.prod(shape) for shape in model.shapes)
+        # Up to 3 pooled buckets, each staged as world_size slots (zero/stages.py [Note: bounded staging]).
+        device += 3 * arguments.world_size * (int(strategy.init_args["bucket_size_mb"] * MIB) + 4 * largest)
+    if strategy.strategy.startswith("colossal_gemini"):
+        device += 3 * 4 * arguments.chunk_numel
+    if strategy.label == "colossal_gemini_auto":
+        workload = Workload(micro_batch_size=arguments.batch_size_per_rank, sequence_length=arguments.sequence_length)
+        activations = activation_estimate(model, training, workload).total
+        # On CPU the engine's tracer counts the gathered weights a module saves for backward as activations too (it
+        # takes the parameters' pointers while they are empty placeholders), so every weight is charged once more.
+        traced_weights = 4 * model.numel
+        device = math.ceil((3 * 4 * arguments.chunk_numel + activations + traced_weights) / 0.9)
+    return device
+
+
+def largest_predicted(predict: Callable[[int], int], budget: int, max_layers: int) -> int:
+    """The most layers in ``[1, max_layers]`` whose prediction is within ``budget`` (1 when none is: the runs will
+    say whether even one layer fits). Predictions grow with depth, so the scan stops at the first miss."""
+    best = 1
+    for layers in range(1, max_layers + 1):
+        if predict(layers) > budget:
+            break
+        best = layers
+    return best
+
+
+def search_largest(fits: Callable[[int], bool], guess: int, max_layers: int) -> tuple[int | None, int | None]:
+    """(largest depth that fits, smallest depth that does not) in ``[1, max_layers]``, by real runs.
+
+    Starts at ``guess``, walks up (if it fits) or down (if not) by doubling steps until the outcome changes, then
+    bisects the bracket; ``fits`` is taken to be monotone (deeper never fits when shallower does not). ``None`` for
+    the first: not even one layer fits; for the second: ``max_layers`` still fits (the search cap, not B, bounds it).
+    """
+    guess = min(max(guess, 1), max_layers)
+    fitting: int | None = None
+    failing: int | None = None
+    step = 1
+    probe = guess
+    if fits(probe):
+        fitting = probe
+        while failing is None and fitting < max_layers:
+            probe = min(fitting + step, max_layers)
+            if fits(probe):
+                fitting = probe
+                step *= 2
+            else:
+                failing = probe
+    else:
+        failing = probe
+        while fitting is None and failing > 1:
+            probe = max(failing - step, 1)
+            if fits(probe):
+                fitting = probe
+            else:
+                failing = probe
+                step *= 2
+    while fitting is not None and failing is not None and failing - fitting > 1:
+        middle = (fitting + failing) // 2
+        if fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    return fitting, failing
+
+
+def classify(ranks: list[dict[str, Any]], world_size: int, steps: int, budget: int) -> tuple[bool, str]:
+    """Whether a run fits B, and why not: every rank reported, trained ``steps`` steps with finite losses, and no
+    sample of its device model-state bytes exceeded ``budget``."""
+    if len(ranks) < world_size:
+        return False, f"only {len(ranks)} of {world_size} ranks reported (killed, or out of host memory)"
+    errors = [rank["error"] for rank in ranks if rank.get("error")]
+    if errors:
+        return False, errors[0].splitlines()[0][:300]
+    if any(rank["steps_done"] < steps for rank in ranks):
+        return False, f"trained {min(rank['steps_done'] for rank in ranks)} of {steps} steps"
+    if not all(rank["finite"] for rank in ranks):
+        return False, "a loss was not finite"
+    peak = max(rank["peak_device_bytes"] for rank in ranks)
+    if peak > budget:
+        return False, f"device model state peaked at {peak / MIB:.2f} MiB > B"
+    return True, "fits"
+
+
+def ratio_to(results: dict[str, dict[str, Any]], label: str, reference: str) -> float | None:
+    """Largest fitting parameter count of ``label`` over ``reference``'s (``None`` if either has none)."""
+    mine = results.get(label, {}).get("largest")
+    theirs = results.get(reference, {}).get("largest")
+    if not mine or not theirs:
+        return None
+    return mine["parameters"] / theirs["parameters"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rank_arguments(strategy: CapacityStrategy, arguments: argparse.Namespace) -> dict[str, Any]:
+    """Constructor arguments as the ranks get them: the budget placed in, Gemini's chunk size fixed."""
+    init_args = dict(strategy.init_args)
+    if init_args.get("placement") == "budget":
+        init_args["placement"] = {"kind": "auto", "compute_memory_budget": arguments.budget_mib * MIB}
+    if strategy.strategy.startswith("colossal_gemini"):
+        # The searched chunk size grows with the model (up to 17M elements, 64 MiB gathered): a budget of tens of MiB
+        # needs chunks sized for it, as a user with that budget would set them.
+        init_args["chunk_numel"] = arguments.chunk_numel
+    return init_args
+
+
+def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int, scratch: Path) -> dict[str, Any]:
+    """Train ``layers`` blocks under ``strategy`` on ``world_size`` ranks and say whether it fits B."""
+    directory = scratch / f"{strategy.label}_{layers}"
+    directory.mkdir(parents=True)
+    spec = {
+        "strategy": strategy.strategy,
+        "init_args": rank_arguments(strategy, arguments),
+        "model_config": model_config(arguments, layers),
+        "world_size": arguments.world_size,
+        "batch_size_per_rank": arguments.batch_size_per_rank,
+        "sequence_length": arguments.sequence_length,
+        "steps": arguments.steps,
+        "learning_rate": 3e-4,
+        "seed": 0,
+    }
+    spec_path = directory / "spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    start = time.perf_counter()
+    failure = None
+    try:
+        launch_ranks(
+            "benchmarks.capacity_ranks",
+            ["--spec", str(spec_path)],
+            arguments.world_size,
+            directory,
+            arguments.run_timeout,
+        )
+    except RunFailed as error:
+        failure = str(error)
+    ranks = [json.loads(path.read_text()) for path in sorted(directory.glob("rank*.json"))]
+    fits, reason = classify(ranks, arguments.world_size, arguments.steps, arguments.budget_mib * MIB)
+    if failure is not None and fits:
+        fits, reason = False, failure.splitlines()[0]
+    outcome = {
+        "layers": layers,
+        "parameters": ranks[0]["parameter_count"] if ranks else None,
+        "fits": fits,
+        "reason": reason,
+        "peak_device_bytes": max((rank["peak_device_bytes"] for rank in ranks), default=None),
+        "wall_seconds": round(time.perf_counter() - start, 1),
+        "ranks": ranks,
+    }
+    if failure is not None:
+        outcome["log_tail"] = failure[-3000:]
+    print(f"  {strategy.label} {layers} layers: {reason} ({outcome['wall_seconds']} s)", flush=True)
+    return outcome
+
+
+def measure_strategy(strategy: CapacityStrategy, arguments: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    """Predict, then search by real runs; every run's outcome is kept."""
+    budget = arguments.budget_mib * MIB
+    guess = largest_predicted(
+        lambda layers: predicted_device_bytes(strategy, arguments, layers), budget, arguments.max_layers
+    )
+    outcomes: dict[int, dict[str, Any]] = {}
+
+    def fits(layers: int) -> bool:
+        if layers not in outcomes:
+            outcomes[layers] = run_probe(strategy, arguments, layers, scratch)
+        return bool(outcomes[layers]["fits"])
+
+    print(f"{strategy.label}: planner predicts {guess} layers", flush=True)
+    largest, first_failing = search_largest(fits, guess, arguments.max_layers)
+    return {
+        "strategy": strategy.strategy,
+        "init_args": rank_arguments(strategy, arguments),
+        "enforcement": strategy.enforcement,
+        "predicted_layers": guess,
+        "predicted_device_bytes": predicted_device_bytes(strategy, arguments, guess),
+        "largest": None if largest is None else _summary(outcomes[largest]),
+        "first_failing": None if first_failing is None else _summary(outcomes[first_failing]),
+        "runs": [outcomes[layers] for layers in sorted(outcomes)],
+    }
+
+
+def _summary(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one run the table shows."""
+    ranks = outcome["ranks"]
+    summary = {key: outcome[key] for key in ("layers", "parameters", "fits", "reason", "peak_device_bytes")}
+    if ranks:
+        summary["last_loss"] = ranks[0]["losses"][-1] if ranks[0]["losses"] else None
+        summary["step_seconds"] = max((max(rank["step_seconds"], default=0.0) for rank in ranks), default=None)
+        summary["peak_source"] = ranks[0].get("peak_source")
+        for key in ("peak_working_set_bytes", "evictions", "traced_activation_peak_bytes", "sampled_peak_device_bytes"):
+            if key in ranks[0]:
+                summary[key] = max(rank[key] for rank in ranks)
+        summary["peak_breakdown_rank0"] = ranks[0]["peak_breakdown"]
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _size(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return "none"
+    return f"{summary['parameters'] / 1e6:.2f}M ({summary['layers']} layers)"
+
+
+def _peak(summary: dict[str, Any] | None) -> str:
+    if summary is None or summary.get("peak_device_bytes") is None:
+        return "–"
+    return f"{summary['peak_device_bytes'] / MIB:.2f}"
+
+
+def table_rows(results: dict[str, dict[str, Any]], budget_mib: float, max_layers: int) -> list[str]:
+    """The markdown table: one row per strategy."""
+    lines = [
+        f"| strategy | largest fitting: parameters (layers) | its peak device model state MiB (B = {budget_mib:g}) |"
+        " slowest step s | first failing: parameters (layers) | its peak MiB | why it fails | ratio vs colossal_ddp |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, result in results.items():
+        largest, failing = result["largest"], result["first_failing"]
+        ratio = ratio_to(results, label, "colossal_ddp")
+        why = failing["reason"] if failing else f"not reached: {max_layers} layers (the search cap) still fit"
+        why = why if len(why) <= 160 else why[:157] + "..."  # the whole message is in the JSON
+        step = f"{largest['step_seconds']:.2f}" if largest and largest.get("step_seconds") is not None else "–"
+        lines.append(
+            f"| {label} | {_size(largest)} | {_peak(largest)} | {step} | "
+            f"{_size(failing) if failing else '–'} | {_peak(failing)} | {why.replace('|', '/')} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}x'} |"
+        )
+    return lines
+
+
+def markdown(results: dict[str, dict[str, Any]], arguments: argparse.Namespace, context: dict[str, Any]) -> str:
+    """A block for RESULTS.md: header lines, the table, how B was held per strategy."""
+    lines = [
+        f"- Machine: {context['cpu']}",
+        f"- Date: {context['date']}",
+        f"- Command: `{context['command']}`",
+        f"- Model: demo GPT, d{arguments.embed_dim}, {arguments.heads} heads, vocabulary {arguments.vocab}, tied head,"
+        f" depth searched in 1–{arguments.max_layers} layers",
+        f"- Workload: {arguments.world_size} CPU ranks (gloo, OMP_NUM_THREADS=1), {arguments.batch_size_per_rank}"
+        f" sequences x {arguments.sequence_length} tokens per rank, fp32, AdamW, {arguments.steps} steps per run",
+        f"- Software: {context['software']}, git {context['git']}",
+        f"- Wall time: {context['wall_seconds']:.0f} s, {context['runs']} runs",
+        "",
+        *table_rows(results, arguments.budget_mib, arguments.max_layers),
+        "",
+    ]
+    for label, result in results.items():
+        lines.append(f"- {label}: {result['enforcement']}; planner predicted {result['predicted_layers']} layers.")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-mib", type=float, default=64.0, help="B: device model-state MiB per rank")
+    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"rows, of {', '.join(STRATEGIES)}")
+    parser.add_argument("--embed-dim", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch-size-per-rank", type=int, default=2)
+    parser.add_argument("--sequence-length", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
+    parser.add_argument("--max-layers", type=int, default=64, help="search cap (host RAM and time bound it)")
+    parser.add_argument("--chunk-numel", type=int, default=2**19, help="Gemini chunk elements (fixed, not searched)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
+    parser.add_argument("--output", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "out" / "capacity.json")
+    arguments = parser.parse_args(argv)
+    unknown = [name for name in arguments.strategies.split(",") if name not in STRATEGIES]
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+    if arguments.budget_mib <= 0 or arguments.max_layers < 1 or arguments.steps < 1:
+        parser.error("--budget-mib, --max-layers and --steps must be positive")
+    return arguments
+
+
+def main(argv: list[str] | None = None) -> int:
+    import shlex
+    import sys
+
+    arguments = parse_arguments(argv)
+    start = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="capacity_") as scratch:
+        for label in arguments.strategies.split(","):
+            results[label] = measure_strategy(STRATEGIES[label], arguments, Path(scratch))
+    context = {
+        "cpu": cpu_description(),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": shlex.join(["python", "-m", "benchmarks.capacity", *(sys.argv[1:] if argv is None else argv)]),
+        "software": ", ".join(f"{name} {version}" for name, version in software_versions().items()),
+        "git": git_revision(REPOSITORY_ROOT),
+        "wall_seconds": time.perf_counter() - start,
+        "runs": sum(len(result["runs"]) for result in results.values()),
+    }
+    ratios = {label: ratio_to(results, label, "colossal_ddp") for label in results}
+    arguments.output.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(arguments).items()},
+        "context": context,
+        "budget_bytes": arguments.budget_mib * MIB,
+        "ratios_vs_colossal_ddp": ratios,
+        "results": results,
+    }
+    arguments.output.write_text(json.dumps(payload, indent=2))
+    print(markdown(results, arguments, context))
+    print(f"\nJSON: {arguments.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
