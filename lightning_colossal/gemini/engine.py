@@ -219,8 +219,21 @@ class GeminiEngine:
         """Wrap a training step's forward: during the warm-up of automatic placement it traces activations."""
         if not self.auto or self.tracer.finished:
             return nullcontext()
-        pointers = {parameter.data_ptr() for parameter in self.module.parameters()}
-        return self.tracer.saving_context(pointers)
+        chunked = {id(parameter) for chunk in self.manager.chunks for parameter in chunk.parameters}
+        outside = {
+            parameter.untyped_storage().data_ptr()
+            for parameter in self.module.parameters()
+            if id(parameter) not in chunked
+        }
+
+        def model_storages() -> set[int]:
+            # Asked at every save of the warm-up forward: a chunk's parameters live in its buffer only while gathered.
+            gathered = {
+                chunk.full.untyped_storage().data_ptr() for chunk in self.manager.chunks if chunk.full is not None
+            }
+            return gathered | outside
+
+        return self.tracer.saving_context(model_storages)
 
     def finish_phase(self) -> None:
         """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective;

@@ -4,7 +4,10 @@
 On CUDA the allocator knows: non-model memory before a module = allocated bytes minus the model data the chunk
 manager accounts for on the device. On the CPU there is no device allocator to ask, so the tracer counts what
 dominates non-model memory in training, the activations autograd saves for backward (a ``saved_tensors_hooks`` pack
-hook adds their bytes, parameters excluded). Backward frees activations in reverse order, so a module's backward is
+hook adds their bytes, parameters excluded). A parameter is recognised by its storage at the moment it is saved: a
+chunk's parameters point into the gathered buffer only while the chunk is gathered, so pointers taken before the
+forward (empty placeholders then) would miss every gathered weight autograd saves and charge each as an activation,
+about 4 bytes per parameter of fp32 weights in the trace. Backward frees activations in reverse order, so a module's backward is
 charged what was saved when its forward ended. The trace is the sequence of modules and their chunks; it repeats every
 step, which is what lets eviction look into the future.
 """
@@ -38,18 +41,22 @@ class MemoryTracer:
         self.finished = False
         self._saved_bytes = 0
         self._saved_at_forward_end: dict[int, int] = {}
-        self._parameter_pointers: set[int] = set()
+        self._model_storages: Callable[[], set[int]] = set
         self.position = -1
 
     # ---------------------------------------------------------------------------------------------- warm-up
-    def saving_context(self, parameter_pointers: set[int]) -> AbstractContextManager[None]:
-        """Wrap the forward of the warm-up step (CPU: counts saved activations; CUDA: nothing to wrap)."""
+    def saving_context(self, model_storages: Callable[[], set[int]]) -> AbstractContextManager[None]:
+        """Wrap the forward of the warm-up step (CPU: counts saved activations; CUDA: nothing to wrap).
+
+        ``model_storages`` returns the storage addresses holding model data at the moment it is called (gathered
+        chunk buffers, parameters kept outside chunks); a saved tensor in one of them is a weight, not an activation.
+        """
         if self.finished or self.compute_device.type == "cuda":
             return nullcontext()
-        self._parameter_pointers = parameter_pointers
+        self._model_storages = model_storages
 
         def pack(tensor: Tensor) -> Tensor:
-            if tensor.data_ptr() not in self._parameter_pointers:
+            if tensor.untyped_storage().data_ptr() not in self._model_storages():
                 self._saved_bytes += tensor.numel() * tensor.element_size()
             return tensor
 

@@ -189,3 +189,34 @@ def test_meta_built_model_gets_exactly_the_eager_initialisation(rank_pool_2, ran
             assert set(state) >= set(reference)
             for name, tensor in reference.items():
                 torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def traced_activations_body() -> dict[str, int]:
+    """Gemini auto's warm-up trace of saved activations, next to the same count in an eager forward of one batch."""
+    module = new_module(batch_size=4)
+    inputs, _ = next(iter(module.train_dataloader()))
+    eager = new_module(batch_size=4)
+    parameters = {parameter.untyped_storage().data_ptr() for parameter in eager.parameters()}
+    saved = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage().data_ptr() not in parameters:
+            saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    # The model's forward only: the trace is read at module boundaries, so the loss's own saves come after its last
+    # record.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        eager.model(inputs)
+    strategy = GeminiStrategy(placement=AutoPlacement(), chunk_numel=1100)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=2)
+    trainer.fit(module)
+    return {"traced": strategy.engine.tracer.peak_non_model_bytes, "eager": saved[0]}
+
+
+def test_auto_placement_traces_activations_without_the_gathered_weights(rank_pool_2):
+    # The tracer recognises a saved weight by its storage when it is saved (a gathered chunk's buffer); a check
+    # against the placeholders before the forward charged every saved weight as an activation (~4 bytes/parameter).
+    for result in rank_pool_2.run(traced_activations_body):
+        assert result["eager"] > 0
+        assert result["traced"] == result["eager"], result
