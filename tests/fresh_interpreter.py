@@ -44,3 +44,23 @@ def run_script(directory: Path, source: str, *arguments: str, timeout: float = 6
     result = run_python([str(script), *arguments], directory, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout
+
+
+def launch_to_log(arguments: list[str], directory: Path, log: Path, timeout: float) -> int:
+    """Run ``python *arguments`` in ``directory`` (repository importable), output to ``log``; return the exit code of
+    that process alone.
+
+    A file, not a pipe: ranks the process started may outlive it (frozen, or not yet reaped), keep their copy of the
+    output open, and waiting for a pipe's end (as ``subprocess.run`` does) would wait for them too.
+    """
+    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
+    environment.pop("LOCAL_RANK", None)
+    with open(log, "w") as output_file:
+        process = subprocess.Popen(
+            [sys.executable, *arguments], cwd=directory, env=environment, stdout=output_file, stderr=subprocess.STDOUT
+        )
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise

@@ -10,16 +10,13 @@ its connections, or goes. A launch takes 15-35 s on 2 busy cores, mostly interpr
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
 
-from tests.fresh_interpreter import REPOSITORY_ROOT
+from tests.fresh_interpreter import launch_to_log
 
 STUCK_STEP = 3
 TIMEOUT_SECONDS = 3
@@ -104,22 +101,7 @@ def _launch(directory, name: str, timeout: float = 120) -> tuple[int, str]:
     script = directory / "hang.py"
     script.write_text(SCRIPT)
     log = directory / f"{name}.log"
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
-    environment.pop("LOCAL_RANK", None)  # set, it would tell Lightning that the ranks already exist
-    # A file, not a pipe: rank 1 keeps its copy of the output open after rank 0 ended.
-    with open(log, "w") as output_file:
-        process = subprocess.Popen(
-            [sys.executable, str(script), name],
-            cwd=directory,
-            env=environment,
-            stdout=output_file,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+    returncode = launch_to_log([str(script), name], directory, log, timeout)
     sleeping = re.search(r"SLEEPING pid=(\d+)", log.read_text())
     if sleeping is not None:
         deadline = time.monotonic() + 30

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from datetime import timedelta
@@ -24,7 +22,7 @@ import torch
 from torch.distributed import HashStore
 
 from lightning_colossal.distributed.watchdog import EXIT_CODE, STOPPED, HeartbeatWatchdog
-from tests.fresh_interpreter import REPOSITORY_ROOT
+from tests.fresh_interpreter import launch_to_log
 
 FAILURE_STEP = 5  # the last checkpoint is the end of epoch 2 (step 4)
 MAX_STEPS = 8
@@ -147,30 +145,12 @@ KILLS = (("kill", KILLED_MID_STEP), ("kill_in_save", KILLED_IN_SAVE))
 
 
 def _launch(directory, *arguments: str, timeout: float = 120) -> tuple[int, str, float, re.Match[str] | None]:
-    """Run the script through the popen launcher; wait for rank 0's process only.
-
-    Output goes to a file, not a pipe: a frozen rank 1 keeps its copy of the pipe open, and waiting for the pipe's end
-    (as ``subprocess.run`` does) would wait for that rank too.
-    """
+    """Run the script through the popen launcher; wait for rank 0's process only (a frozen rank 1 outlives it)."""
     script = directory / "rank_failure.py"
     script.write_text(SCRIPT)
     label = arguments[1].replace(",", "-").replace("/", "-")[:100]
     log = directory / f"{arguments[0]}-{label}.log"
-    environment = {**os.environ, "PYTHONPATH": str(REPOSITORY_ROOT), "PYTHONUNBUFFERED": "1"}
-    environment.pop("LOCAL_RANK", None)  # set, it would tell Lightning that the ranks already exist
-    with open(log, "w") as output_file:
-        process = subprocess.Popen(
-            [sys.executable, str(script), *arguments],
-            cwd=directory,
-            env=environment,
-            stdout=output_file,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            returncode = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+    returncode = launch_to_log([str(script), *arguments], directory, log, timeout)
     ended = time.time()
     output = log.read_text()
     failing = re.search(r"FAILING pid=(\d+) at=([\d.]+)", output)
