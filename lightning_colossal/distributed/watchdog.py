@@ -179,6 +179,12 @@ class HeartbeatWatchdog:
         """One round: heartbeat, read the shared report and the watched peer. Returns a failure message or None."""
         now = time.monotonic()
         if not self._beat():
+            # The store lives in rank 0's process. When it stops answering, the last heartbeat seen still says where
+            # the watched peer runs: a dead process on this host (rank 0 itself, often) is named now, not after the
+            # timeout, and without writing a report to a store that cannot take it.
+            lost = self._judge_peer("", now, store_answers=False)
+            if lost is not None:
+                return lost
             silent = now - self._last_store_contact
             if silent > self.timeout:
                 return (
@@ -198,7 +204,7 @@ class HeartbeatWatchdog:
         # Without an answer the last heartbeat seen still tells where the peer runs, so its pid can be checked.
         return self._judge_peer(_decode(raw) if raw is not None else "", now)
 
-    def _judge_peer(self, heartbeat: str, now: float) -> str | None:
+    def _judge_peer(self, heartbeat: str, now: float, store_answers: bool = True) -> str | None:
         view = self._peer_view
         if heartbeat == STOPPED:
             view.finished = True
@@ -221,6 +227,8 @@ class HeartbeatWatchdog:
             f"rank {self.peer} stopped responding ({reason}; it was at step {view.step}{doing}), seen by rank"
             f" {self.rank} at step {self._step()}"
         )
+        if not store_answers:
+            return report
         # The first rank to notice writes the report; the others print the same one.
         written = self._request(lambda store: store.compare_set(self._failure_key(), "", report))
         return _decode(written) if written else report

@@ -30,12 +30,19 @@ def train_and_save_body(strategy_spec: tuple[str, dict[str, Any]], path: str) ->
     from lightning.pytorch import seed_everything
     from torch.utils.data import DataLoader
 
-    from lightning_colossal import ColossalFSDPStrategy, GeminiStrategy, HybridParallelStrategy, ZeroStrategy
+    from lightning_colossal import (
+        ColossalDDPStrategy,
+        ColossalFSDPStrategy,
+        GeminiStrategy,
+        HybridParallelStrategy,
+        ZeroStrategy,
+    )
     from lightning_colossal.demo.data import RandomTokenDataset
     from tests.distributed.oracle import quiet_trainer
 
     kind, arguments = strategy_spec
     strategy = {
+        "ddp": ColossalDDPStrategy,
         "zero": ZeroStrategy,
         "gemini": GeminiStrategy,
         "fsdp": ColossalFSDPStrategy,
@@ -52,8 +59,8 @@ def train_and_save_body(strategy_spec: tuple[str, dict[str, Any]], path: str) ->
 
 @pytest.mark.parametrize(
     "strategy_spec",
-    [("zero", {"stage": 2}), ("gemini", {"chunk_numel": 3000}), ("fsdp", {}), ("hybrid", {"tp_size": 2})],
-    ids=["zero2", "gemini", "fsdp", "hybrid_tp2"],
+    [("ddp", {}), ("zero", {"stage": 2}), ("gemini", {"chunk_numel": 3000}), ("fsdp", {}), ("hybrid", {"tp_size": 2})],
+    ids=["ddp", "zero2", "gemini", "fsdp", "hybrid_tp2"],
 )
 def test_export_loads_with_from_pretrained(rank_pool_2, tmp_path, strategy_spec):
     path = tmp_path / "trained.ckpt"

@@ -28,13 +28,12 @@ SCRIPT = textwrap.dedent(
     import torch
     from torch import nn
     from lightning.pytorch.callbacks import Callback
-    from lightning_colossal import ColossalDDPStrategy, GeminiStrategy, ZeroStrategy
+    from lightning_colossal import GeminiStrategy, ZeroStrategy
     from lightning_colossal.distributed.group_cache import set_group_timeout
     from tests.distributed.oracle import RegressionModule, quiet_trainer
 
     TIMEOUT = timedelta(seconds=TIMEOUT_SECONDS)
     STRATEGIES = {
-        "ddp": lambda: ColossalDDPStrategy(heartbeat_timeout=timedelta(seconds=60)),
         "zero2": lambda: ZeroStrategy(stage=2, heartbeat_timeout=timedelta(seconds=60)),
         "gemini": lambda: GeminiStrategy(chunk_numel=1100, heartbeat_timeout=timedelta(seconds=60)),
     }
@@ -152,18 +151,3 @@ def test_a_timed_out_collective_is_named_on_every_rank(tmp_path, name, activity)
         r"rank 1 was waiting in all_reduce over ranks \[0, 1\] \(\[\d+\] float32, [\d.]+ (bytes|KiB)\) for [\d.]+ s"
     )
     assert re.search(rf"{waiting}, while {activity}\S*, at global step {STUCK_STEP}\.", notes), notes
-
-
-@pytest.mark.slow
-def test_a_timeout_in_torch_ddp_says_it_was_not_in_our_collectives(tmp_path):
-    # DDP's gradient all-reduce is torch's own (its reducer): no record of ours, and the note says so.
-    returncode, output = _launch(tmp_path, "ddp")
-    notes = _notes(output)
-    print(notes)
-    assert returncode != 0 and "UNREACHABLE" not in output, output[-6000:]
-    for rank in (0, 1):
-        expected = (
-            f"lightning_colossal: raised on rank {rank} at global step {STUCK_STEP}, not inside a lightning_colossal"
-        )
-        assert expected in notes, notes
-    assert _LATE_PEER in notes, notes

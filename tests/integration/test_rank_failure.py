@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import textwrap
 import time
 from datetime import timedelta
@@ -137,9 +139,9 @@ SCRIPT = (
 SCRIPT = SCRIPT.replace("HEARTBEAT_TIMEOUT_SECONDS", str(HEARTBEAT_TIMEOUT_SECONDS))
 
 # Killed mid-step (rank 0 meets the death in a training collective) and killed inside the checkpoint's shard writing
-# (rank 0 meets it in the save's collectives). Every strategy is in one of the two lists, the sharded-checkpoint
-# paths that differ most in both; a launch costs ~10 s of interpreter start-up, so not every pair is run.
-KILLED_MID_STEP = ["zero1_offload", "zero2", "gemini_offload", "fsdp", "hybrid"]
+# (rank 0 meets it in the save's collectives). Every strategy is in one of the two lists and hybrid, whose steps and
+# checkpoint view differ most, in both; a launch costs ~10 s of interpreter start-up, so not every pair is run.
+KILLED_MID_STEP = ["zero1_offload", "gemini_offload", "fsdp", "hybrid"]
 KILLED_IN_SAVE = ["ddp", "zero2", "gemini", "hybrid"]
 KILLS = (("kill", KILLED_MID_STEP), ("kill_in_save", KILLED_IN_SAVE))
 
@@ -295,7 +297,9 @@ def test_frozen_rank_is_reported_and_the_others_exit_after_the_heartbeat_timeout
         assert returncode == EXIT_CODE, (returncode, output[-4000:])
         # "it was at step N": the step of rank 1's last heartbeat, which can be before FAILURE_STEP on a fast run.
         reported = (
-            r"rank 1 stopped responding \(last heartbeat [\d.]+ s ago; it was at step \d+\), seen by rank 0 at step 5"
+            # (the step of its last heartbeat, and the collective it was in then when it was in one)
+            r"rank 1 stopped responding \(last heartbeat [\d.]+ s ago; it was at step \d+(, in .*)?\), seen by rank 0"
+            r" at step 5"
         )
         assert re.search(reported, output), output[-4000:]
         seconds = ended - float(failing.group(2))
@@ -369,3 +373,52 @@ def test_watchdog_names_a_dead_process_on_this_host_without_waiting_for_the_time
         time.sleep(0.05)
     assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
     first.stop()
+
+
+class _BreakableStore:
+    """A store that stops answering when ``broken`` is set, as the TCPStore does when rank 0's process is gone."""
+
+    def __init__(self) -> None:
+        self.store = HashStore()
+        self.broken = False
+
+    def clone(self) -> _BreakableStore:
+        return self  # the watchdog talks to its own clone of the store: that one must break too
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self.store, name)
+
+        def call(*arguments: Any) -> Any:
+            if self.broken:
+                raise RuntimeError("Connection reset by peer")
+            return operation(*arguments)
+
+        return call
+
+
+def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gone():
+    # Rank 0 hosts the store: when it dies, the store stops answering at the same moment. The last heartbeat seen
+    # still says where rank 0 ran, so its death is named within an interval, not after the 60 s timeout.
+    store, reports = _BreakableStore(), []
+    watchdog, _ = _watchdogs(store, timeout=60, reports=reports)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.set("unit/rank1", f"7 5 {os.uname().nodename} {peer.pid}")
+        watchdog.start()
+        deadline = time.monotonic() + 5
+        while watchdog._peer_view.counter != "7" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watchdog._peer_view.counter == "7" and reports == []
+        store.broken = True
+        time.sleep(0.3)  # several intervals: every check from now on finds the store silent
+        assert reports == []
+        peer.kill()
+        peer.wait()
+        started = time.monotonic()
+        while not reports and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
+        assert time.monotonic() - started < 5, "named within a few intervals, not after the 60 s timeout"
+    finally:
+        peer.kill()
+        watchdog.stop()
