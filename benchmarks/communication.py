@@ -2,8 +2,9 @@
 
     python -m benchmarks.communication                       # every configuration, 2 gloo ranks, small GPT
     python -m benchmarks.communication --configurations colossal_ddp,colossal_fsdp
+    python -m benchmarks.communication --world-size 4 --configurations colossal_ddp,colossal_fsdp   # scaling shape
 
-Each configuration is one launch of 2 rank processes (``python -m benchmarks.communication --rank-spec ...``,
+Each configuration is one launch of 2 rank processes (``--world-size``) (``python -m benchmarks.communication --rank-spec ...``,
 started like ``benchmarks.run`` starts its workers: gloo, ``OMP_NUM_THREADS=1``) training the demo GPT with Lightning
 for ``--steps`` steps. A probed step k (by default 2, 3 and 4: after the first steps' bucket rebuilds, chunk tracing
 and warnings) runs from the end of step k − 1 to the end of step k, so Lightning's loop between batches counts too; in
@@ -111,6 +112,12 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size-per-rank", type=int, default=4, help="sequences per rank (4)")
     parser.add_argument("--sequence-length", type=int, default=64, help="tokens per sequence (64)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per launch (5)")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="ranks per launch (2); other than 2 only for the data-parallel configurations (the scaling shape)",
+    )
     parser.add_argument("--probed-steps", default="2,3,4", help="steps whose collectives are counted (2,3,4)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a launch is killed (300)")
     parser.add_argument("--seed", type=int, default=0)
@@ -124,6 +131,15 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if unknown:
             parser.error(f"unknown configurations {unknown}; known: {', '.join(CONFIGURATIONS)}")
         arguments.labels = labels
+        if arguments.world_size < 1:
+            parser.error(f"--world-size {arguments.world_size}: pass 1 or more ranks")
+        tensor_parallel = [label for label in labels if CONFIGURATIONS[label][2].startswith("tp")]
+        if arguments.world_size != 2 and tensor_parallel:
+            # Their formulas count one tensor-parallel group of 2 with no data-parallel axis.
+            parser.error(
+                f"{', '.join(tensor_parallel)} are measured at --world-size 2 only; leave them out of --configurations"
+                f" to measure the data-parallel ones at {arguments.world_size} ranks"
+            )
         arguments.model = {**DEFAULT_MODEL, **json.loads(arguments.model_config)}
         arguments.probed = [int(step) for step in arguments.probed_steps.split(",") if step]
         if not arguments.probed or max(arguments.probed) >= arguments.steps or min(arguments.probed) < 1:
@@ -189,7 +205,7 @@ def _context(arguments: argparse.Namespace, command_arguments: list[str]) -> dic
             "sequence_length": arguments.sequence_length,
             "steps": arguments.steps,
             "probed_steps": arguments.probed,
-            "world_size": 2,
+            "world_size": arguments.world_size,
             "seed": arguments.seed,
         },
         "control_max_bytes": CONTROL_MAX_BYTES,
@@ -201,7 +217,7 @@ def _training_spec(label: str, arguments: argparse.Namespace) -> dict[str, Any]:
     strategy, init_args, _ = CONFIGURATIONS[label]
     return {
         "kind": "training",
-        "world_size": 2,
+        "world_size": arguments.world_size,
         "strategy": strategy,
         "init_args": init_args,
         "model_config": arguments.model,

@@ -261,3 +261,16 @@ def test_every_collective_op_of_torch_has_a_rule_naming_real_arguments() -> None
             arguments = {argument.name for argument in getattr(packet, overload)._schema.arguments}
             assert rule.payload in arguments, (name, overload, rule.payload)
             assert rule.peer is None or rule.peer in arguments, (name, overload, rule.peer)
+
+
+def test_world_size_other_than_two_takes_only_the_data_parallel_configurations(capsys: pytest.CaptureFixture[str]):
+    from benchmarks.communication import _training_spec, parse_arguments
+
+    arguments = parse_arguments(["--world-size", "4", "--configurations", "colossal_ddp,colossal_fsdp"])
+    assert _training_spec("colossal_fsdp", arguments)["world_size"] == 4
+    with pytest.raises(SystemExit):
+        parse_arguments(["--world-size", "4", "--configurations", "colossal_ddp,colossal_hybrid_tp2"])
+    assert "colossal_hybrid_tp2 are measured at --world-size 2 only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_arguments(["--world-size", "0", "--configurations", "colossal_ddp"])
+    assert "pass 1 or more ranks" in capsys.readouterr().err
