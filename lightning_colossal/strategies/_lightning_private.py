@@ -11,6 +11,12 @@ To add one: import it below with its reason, add it to ``__all__``, and to ``PRI
 
 from __future__ import annotations
 
+# The popen launcher's thread in rank 0's process that SIGKILLs every rank (itself included) within 5 s of a child
+# rank exiting with an error; launcher.py finds it among the threads to say which rank died before that happens
+# (rank 0 may not reach a collective, and so never print our own report, before it is killed). Its attributes
+# `_child_processes` and `_terminate_all` are used; both exist with these names in 2.5.0 and 2.6.6.
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
 # Loads a checkpoint file the way Trainer(ckpt_path=...) does (local path or fsspec URL, weights_only handling):
 # a single-file full checkpoint handed to a sharded strategy goes through the same reader.
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
@@ -32,12 +38,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 # Broadcasts rank 0's parameters and buffers: outside fitting no engine or DDP wrapper does it, and every rank must
 # evaluate the same model.
 from lightning.pytorch.overrides.distributed import _sync_module_states
-
-# The popen launcher's thread in rank 0's process that SIGKILLs every rank (itself included) within 5 s of a child
-# rank exiting with an error; launcher.py finds it among the threads to say which rank died before that happens
-# (rank 0 may not reach a collective, and so never print our own report, before it is killed). Its attributes
-# `_child_processes` and `_terminate_all` are used; both exist with these names in 2.5.0 and 2.6.6.
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
 # The launchers: popen for scripts, torchrun and SLURM; the multiprocessing one (spawn, fork for notebooks) is
 # subclassed in launcher.py to send full weights back, and its return value (_WorkerOutput) must keep its layout.

@@ -43,6 +43,7 @@ from lightning_colossal.config import (
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.pretrained import has_pretrained_weights, materialise_whole
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
+from lightning_colossal.strategies.averaging_callbacks import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
 from lightning_colossal.strategies.docstrings import complete_argument_docs
 from lightning_colossal.strategies.failures import FailureReportingMixin
@@ -149,11 +150,19 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        pieces = self.parameter_pieces()
+        if fitting and pieces is not None:
+            refuse_averaging_callbacks(trainer.callbacks, self.strategy_name or type(self).__name__, pieces)
         if fitting and self._layer_sync is not None:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         return fitting
+
+    def parameter_pieces(self) -> str | None:
+        """What a rank holds of each parameter when not all of it (e.g. ``"only its FSDP shards"``), for errors;
+        ``None`` when every rank holds every parameter whole ([Note: weight averaging and sharded parameters])."""
+        return None
 
     def model_to_device(self) -> None:
         assert self.model is not None

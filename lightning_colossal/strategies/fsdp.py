@@ -114,6 +114,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
         return MixedPrecisionPolicy()
 
     # ---------------------------------------------------------------------------------------------- set-up
+    def parameter_pieces(self) -> str | None:
+        return "only its FSDP shard of each parameter (a DTensor)"
+
     def setup(self, trainer: pl.Trainer) -> None:
         self._run_failed = False
         fitting = self._prepare_module(trainer)

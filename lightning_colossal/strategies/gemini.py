@@ -75,6 +75,9 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
             shard_frozen_parameters=shard_frozen_parameters,
         )
 
+    def parameter_pieces(self) -> str | None:
+        return "only its shards of each chunk (a parameter is an empty placeholder outside its module's forward)"
+
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
         return [

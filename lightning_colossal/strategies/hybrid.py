@@ -103,6 +103,15 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
     def pipelined(self) -> bool:
         return self.hybrid_config.pp_size > 1
 
+    def parameter_pieces(self) -> str | None:
+        config = self.hybrid_config
+        if config.tp_size == 1 and config.pp_size == 1:
+            return None  # data (and sequence) parallelism only: every rank holds every parameter whole
+        return (
+            f"only its pieces of the model (tp_size={config.tp_size}: tensor-parallel shards; pp_size={config.pp_size}:"
+            " the layers of its pipeline stage)"
+        )
+
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
