@@ -198,12 +198,21 @@ class CheckpointingMixin(ProcessGroupMixin):
             _check_optimizer_count(path, saved_count, len(optimizers))
             for index, optimizer in enumerate(optimizers):
                 tensor_state[optimizer_key(index)] = self.optimizer_names_and_state(optimizer)
+        held_back = {
+            index: _hold_back_unsaved_group_settings(
+                tensor_state[optimizer_key(index)], optimizer_key(index), available
+            )
+            for index in range(len(optimizers))
+        }
         own_rng = rng_key(self.global_rank)
         restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
         if restores_rng:
             tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
         load_sharded(shards, tensor_state, allow_partial=not strict)
         self._on_model_state_loaded()
+        for index, settings in held_back.items():
+            for group, missing in zip(tensor_state[optimizer_key(index)]["param_groups"], settings, strict=True):
+                group.update(missing)
         for index, optimizer in enumerate(optimizers):
             self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])
         if restores_rng:
@@ -283,3 +292,28 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, Any], shapes: Mapp
             " differ, load the rest with `LightningModule.load_state_dict(..., strict=False)`, and fit without"
             " ckpt_path."
         )
+
+
+def _hold_back_unsaved_group_settings(
+    optimizer_state: dict[str, Any], prefix: str, available: set[str]
+) -> list[dict[str, Any]]:
+    """Take out of ``optimizer_state``'s param groups the settings the checkpoint does not hold; returns them per group.
+
+    A setting added to a param group after the checkpoint was written (``initial_lr``, which an LR scheduler adds:
+    Lightning's learning-rate finder saves a checkpoint, runs with its own scheduler, then restores it) would make
+    DCP refuse the load for a missing key. Such a setting keeps its current value, put back after loading; every
+    setting the checkpoint holds is loaded. Groups the checkpoint lacks entirely are left for DCP to refuse.
+    """
+    held_back: list[dict[str, Any]] = []
+    for index, group in enumerate(optimizer_state.get("param_groups", [])):
+        group_prefix = f"{prefix}.param_groups.{index}."
+        if not any(key.startswith(group_prefix) for key in available):
+            held_back.append({})
+            continue
+        missing = {
+            key: value for key, value in group.items() if key != "params" and f"{group_prefix}{key}" not in available
+        }
+        for key in missing:
+            del group[key]
+        held_back.append(missing)
+    return held_back
