@@ -38,3 +38,18 @@ def refuse_averaging_callbacks(callbacks: Iterable[Any], strategy_name: str, pie
                 " whole on every rank: `colossal_zero2` (optimizer state and gradients still sharded), `colossal_zero1`"
                 " or `colossal_ddp`; or remove the callback."
             )
+
+
+def refuse_finetuning_callbacks(callbacks: Iterable[Any], strategy_name: str) -> None:
+    """Raise when ``callbacks`` hold a ``BaseFinetuning`` callback (``BackboneFinetuning``): it adds parameters to the
+    optimizer mid-run, which an engine that took the optimizer over at setup cannot take (its masters, shards and
+    gradient buckets are laid out once). It failed with a ``KeyError`` inside the callback."""
+    for callback in callbacks:
+        if isinstance(callback, lightning_callbacks.BaseFinetuning):
+            raise ValueError(
+                f"{type(callback).__name__} adds parameters to the optimizer during training, but under"
+                f" {strategy_name} the engine took over the optimizer's parameters at setup and cannot take more."
+                " Put the backbone in the optimizer from the start, in its own param group with a lower learning rate"
+                " (a frozen stage is a learning rate of 0 for that group, set by an LR scheduler or a callback that"
+                " edits `param_groups[i]['lr']`), or remove the callback."
+            )

@@ -29,6 +29,7 @@ import lightning.pytorch as pl
 from torch.optim import Optimizer
 
 from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine
+from lightning_colossal.strategies.averaging_callbacks import refuse_finetuning_callbacks
 from lightning_colossal.strategies.base import ColossalStrategy
 
 EngineT = TypeVar("EngineT", bound=StepEngine)
@@ -56,6 +57,8 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = self._prepare_module(trainer)
+        if fitting:
+            refuse_finetuning_callbacks(trainer.callbacks, type(self).__name__)
         self.engine = self._setup_engine(trainer, fitting)
         self.setup_precision_plugin()
         if self.engine is not None:

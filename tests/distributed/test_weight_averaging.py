@@ -96,3 +96,26 @@ def test_strategies_holding_pieces_refuse_averaging_naming_the_strategies_that_w
         expected_callback = "EMAWeightAveraging" if callback_name == "ema" else "StochasticWeightAveraging"
         assert expected_callback in message, message
         assert "`colossal_zero2`" in message and "`colossal_ddp`" in message, message
+
+
+def finetuning_body(spec: StrategySpec) -> str:
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    module = new_module()
+    module.backbone = module.model.input  # BackboneFinetuning freezes `backbone`, then adds it to the optimizer
+    trainer = quiet_trainer(
+        strategy=_strategy(spec), devices=2, max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+    )
+    try:
+        trainer.fit(module)
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+@pytest.mark.parametrize("strategy_name", ["zero2", "gemini", "hybrid_dp"])
+def test_engines_refuse_callbacks_that_add_parameters_to_the_optimizer_mid_run(rank_pool_2, strategy_name):
+    spec = {**WHOLE_PARAMETERS, **PIECES}[strategy_name]
+    for message in rank_pool_2.run(finetuning_body, spec, timeout=120):
+        assert message.startswith("ValueError: BackboneFinetuning adds parameters to the optimizer"), message
+        assert "in its own param group with a lower learning rate" in message, message
