@@ -45,6 +45,9 @@ class UnusedGradientTracker:
     def before_backward(self, loss: Tensor, module: nn.Module) -> None:
         """Record the parameters ``loss`` reaches: in the graph they are FSDP's unsharded parameters."""
         reached = leaves_reached_from(loss)
+        if reached is None:  # autograd_graph.py [Note: reentrant activation checkpoints hide their parameters]
+            self.reached.fill_(1.0)
+            return
         for sharded, unsharded in _unsharded_parameters(module):
             if id(unsharded) in reached or id(sharded) in reached:
                 position = self._position_of.get(id(sharded))

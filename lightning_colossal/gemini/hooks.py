@@ -31,12 +31,31 @@ run the same modules pay one small all-reduce per round. During backward no rank
 before that final round (a rank waiting on a reduction that another rank can only start after a gather would
 deadlock), so reductions in flight are bounded only after it.
 
+[Note: the end of a forward]
+Only Gemini's own code enters gather rounds, so a rank that has finished its forward must keep serving rounds until
+every rank has: a rank that went on to another collective first (``self.log(..., sync_dist=True)`` in the training
+step, an ``all_gather`` in the loss) would wait there for a rank that waits in a round for it. Ranks differ in their
+rounds whenever their chunks differ: experts without tokens, and also automatic placement and prefetch, whose
+decisions follow this rank's bytes (shards and optimizer state differ by a few rows between ranks, enough to cross
+the budget on one rank only). So the forward of every module with chunks below it is bracketed, and when the
+outermost one returns (the model user code called) the rank runs ``finish_phase`` there. A recomputation inside
+backward is not bracketed (``_inside_backward``): backward ends with its own ``finish_phase``.
+
 [Note: gradient accumulation]
 Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
 keeps ZeRO-3 memory and fp32 sums (ColossalAI's Gemini has no accumulation, or halves precision for it).
 
 Parameters no rank produced a gradient for are not stepped: ``distributed/sharded_state.py`` [Note: gradients nobody
 produced].
+
+[Note: activation checkpointing]
+A checkpointed region (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable``) runs its
+modules' forwards again inside backward. Such a recomputation is not a forward step: its chunks are gathered and held
+for the backward that follows (AWAITING_GRADIENTS, as ``_before_backward`` does), and it counts no users, because a
+non-reentrant recomputation stops as soon as it has the tensors it needed, without the forward hook that would undo
+the count. A reentrant checkpoint also runs a backward of its own inside ours, so the end of backward is queued from
+the loss's node (``_queue_end_of_backward_from``), and the parameters inside are read from the checkpoint's function
+(``distributed/autograd_graph.py``).
 
 [Note: frozen chunks in backward]
 A frozen chunk (layout.py [Note: frozen chunks]) is needed in backward only for the input gradients of the modules
@@ -104,6 +123,8 @@ class ChunkHooks:
         self.evictor = evictor
         self.prefetcher = prefetcher
         self._module_chunks: dict[int, frozenset[int]] = {}
+        # Modules with chunks below them whose forward is running ([Note: the end of a forward]).
+        self._forward_depth = 0
         self._handles: list[RemovableHandle] = []
         self._install(module)
         self._next_to_reduce = len(manager.chunks) - 1
@@ -123,11 +144,16 @@ class ChunkHooks:
                 for parameter in submodule.parameters(recurse=False)
                 if id(parameter) in self.chunk_of
             )
-            if not chunks:
-                continue
-            self._module_chunks[module_id] = chunks
-            self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
-            self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
+            # [Note: the end of a forward]: any module with chunks below it may be the one user code calls.
+            bracketed = any(id(parameter) in self.chunk_of for parameter in submodule.parameters())
+            if bracketed:
+                self._handles.append(submodule.register_forward_pre_hook(self._enter_forward))
+            if chunks:
+                self._module_chunks[module_id] = chunks
+                self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
+                self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
+            if bracketed:  # registered last: it runs after the chunk hook above has released this module's chunks
+                self._handles.append(submodule.register_forward_hook(self._leave_forward))
         for chunk in self.manager.chunks:
             for parameter in chunk.parameters:
                 if parameter.requires_grad:
@@ -156,7 +182,23 @@ class ChunkHooks:
 
         return torch.compiler.disable(hook)
 
+    @torch.compiler.disable
+    def _enter_forward(self, module: nn.Module, args: Any) -> None:
+        if not _inside_backward():
+            self._forward_depth += 1
+
+    @torch.compiler.disable
+    def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _inside_backward():
+            return
+        self._forward_depth -= 1
+        if self._forward_depth == 0:
+            self.finish_phase()
+
     def _before_forward(self, module_id: int) -> None:
+        if _inside_backward():
+            self._before_recomputation(module_id)
+            return
         needed = self._module_chunks[module_id]
         position = self._trace("forward", module_id, needed)
         for chunk in self.manager.chunks:
@@ -172,12 +214,13 @@ class ChunkHooks:
                 chunk.move(ChunkState.COMPUTING)
 
     def _after_forward(self, module_id: int, output: Any) -> None:
-        for index in self._module_chunks[module_id]:
-            chunk = self.manager.chunks[index]
-            chunk.users -= 1
-            if chunk.users == 0 and chunk.state is ChunkState.COMPUTING:
-                chunk.move(ChunkState.GATHERED)
-        self.tracer.forward_ended(module_id)
+        if not _inside_backward():  # a recomputation counted no users ([Note: activation checkpointing])
+            for index in self._module_chunks[module_id]:
+                chunk = self.manager.chunks[index]
+                chunk.users -= 1
+                if chunk.users == 0 and chunk.state is ChunkState.COMPUTING:
+                    chunk.move(ChunkState.GATHERED)
+            self.tracer.forward_ended(module_id)
         if not torch.is_grad_enabled():
             return
         tensors = [tensor for tensor in _tensors_in(output) if tensor.requires_grad]
@@ -185,6 +228,18 @@ class ChunkHooks:
             torch.autograd.graph.register_multi_grad_hook(
                 tensors, lambda _: self._before_backward(module_id), mode="any"
             )
+
+    def _before_recomputation(self, module_id: int) -> None:
+        """A forward run again inside backward ([Note: activation checkpointing]): gather and hold for backward."""
+        needed = self._module_chunks[module_id]
+        position = self._trace("backward", module_id, needed)
+        self._make_room(needed, position)
+        self._gather_missing(needed, position)
+        for index in sorted(needed):
+            chunk = self.manager.chunks[index]
+            self._gather(chunk)
+            if chunk.state is ChunkState.GATHERED and not chunk.frozen and not chunk.reduced_this_backward:
+                chunk.move(ChunkState.AWAITING_GRADIENTS)
 
     def _trace(self, phase: str, module_id: int, needed: frozenset[int]) -> int:
         """Record the op in the warm-up step, or find it in the trace afterwards; returns its position."""
@@ -241,6 +296,7 @@ class ChunkHooks:
 
     def finish_phase(self) -> None:
         """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective)."""
+        self._forward_depth = 0  # a forward that raised never left its modules; the strategy calls this every step
         if self.world_size == 1:
             return
         while self._gather_round(set()):
@@ -279,10 +335,32 @@ class ChunkHooks:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._backward_callback_queued = True
 
+    def _queue_end_of_backward_from(self, loss: Tensor) -> None:
+        """Queue the end of backward on the backward ``loss`` starts, not on one nested inside it.
+
+        A callback runs when the backward it was queued on finishes. A reentrant activation checkpoint runs a
+        backward of its own inside ours, and the first hook of ours to fire may be in there: queued from it, the end
+        of backward (reductions forced, chunks released) would run while our backward still needs those chunks. A
+        hook on the loss's node fires first, in our backward, and queues it there.
+        """
+        if loss.grad_fn is None:
+            return
+        handles: list[RemovableHandle] = []
+
+        def queue(*_: Any) -> None:
+            self._queue_end_of_backward()
+            handles.pop().remove()
+
+        handles.append(loss.grad_fn.register_prehook(queue))
+
     def prepare_backward(self, loss: Tensor) -> None:
         """Before ``loss.backward()``: count, per chunk, the parameters this backward will reach (see
         ``GeminiEngine.prepare_backward``)."""
+        self._queue_end_of_backward_from(loss)
         reached = leaves_reached_from(loss)
+        if reached is None:  # autograd_graph.py [Note: reentrant activation checkpoints hide their parameters]
+            self._expect_every_gradient()
+            return
         for chunk in self.manager.chunks:
             chunk.gradients_expected = sum(1 for parameter in chunk.parameters if id(parameter) in reached)
 
@@ -335,6 +413,12 @@ class ChunkHooks:
         received = sharded_state.received_on_any_rank(self.received, self.process_group)
         self.manager.attach_master_gradients(lambda parameter: received[self._flag_of[id(parameter)]])
         self.tracer.finish()
+
+
+def _inside_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is a checkpoint's recomputation)."""
+    # torch.utils.checkpoint asks the same private question to tell its recomputation from a first forward.
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors_in(output: Any) -> Iterator[Tensor]:

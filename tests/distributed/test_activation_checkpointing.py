@@ -1,0 +1,184 @@
+"""Activation checkpointing written in the user's model (``torch.utils.checkpoint``, Hugging Face's
+``gradient_checkpointing_enable``) under every strategy, against single-process PyTorch.
+
+A checkpointed region runs its forward again inside backward. That broke Gemini (a chunk left counted as in use
+crashed the next step with an illegal state transition; a reentrant checkpoint's inner backward ended ours early and
+released chunks still needed), and under FSDP a reentrant region's parameters silently never trained: the graph the
+loss sees hides them, and FSDP's unused-gradient tracker removed their gradients (``distributed/autograd_graph.py``
+[Note: reentrant activation checkpoints hide their parameters]).
+
+Checkpointing does not change the arithmetic, so the oracle is the uncheckpointed model on the same global batch.
+Each region is entered with an input that requires grad, where a reentrant checkpoint and plain PyTorch agree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from torch.utils.checkpoint import checkpoint
+
+from lightning_colossal import AutoPlacement, StaticPlacement
+from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec
+from tests.distributed.oracle import (
+    MODEL_SEED,
+    RegressionModel,
+    RegressionModule,
+    float_state,
+    oracle_train,
+    quiet_trainer,
+)
+from tests.distributed.test_workflow_rows import _strategy
+
+STEPS = 3
+EXACT = {"rtol": 1e-5, "atol": 1e-6}
+STRATEGIES: dict[str, StrategySpec] = {
+    "ddp": DDP,
+    "zero1": ZERO1,
+    "zero2": ZERO2,
+    "gemini": GEMINI,
+    "gemini_one_chunk_per_layer": ("gemini", {"chunk_numel": 1024}),
+    # Chunks evicted and prefetched under a budget; chunks and optimizer state all in CPU memory.
+    "gemini_auto": (
+        "gemini",
+        {"chunk_numel": 1024, "placement": AutoPlacement(compute_memory_budget=12_000), "max_prefetch": 1},
+    ),
+    "gemini_offload": (
+        "gemini",
+        {"chunk_numel": 1100, "placement": StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)},
+    ),
+    "fsdp": FSDP,
+    "hybrid_dp": ("hybrid", {"zero_stage": 1}),
+}
+# How the checkpointed function is named: a module, a bound method (Hugging Face passes ``layer.__call__``), a
+# partial of one, or a closure (whose parameters cannot be read from the graph).
+FORMS = ("module", "bound_method", "partial", "closure")
+REGIONS = [
+    pytest.param(form, reentrant, id=f"{form}-{'reentrant' if reentrant else 'non_reentrant'}")
+    for form in FORMS
+    for reentrant in (True, False)
+]
+
+
+class CheckpointedModel(RegressionModel):
+    """The oracle's model with ``hidden`` and ``output`` each run inside an activation checkpoint."""
+
+    def __init__(self, form: str, reentrant: bool) -> None:
+        super().__init__()
+        self.form = form
+        self.reentrant = reentrant
+
+    def _region(self, layer: torch.nn.Module) -> Any:
+        if self.form == "module":
+            return layer
+        if self.form == "bound_method":
+            return layer.__call__
+        if self.form == "partial":
+            return functools.partial(layer.__call__)
+        return lambda tensor: layer(tensor)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.norm(self.input(inputs)))  # requires grad: a reentrant region sees its gradient
+        hidden = checkpoint(self._region(self.hidden), hidden, use_reentrant=self.reentrant)
+        hidden = self.dropout(torch.relu(hidden))
+        return checkpoint(self._region(self.output), hidden, use_reentrant=self.reentrant)
+
+
+class CheckpointedRegression(RegressionModule):
+    def __init__(self, form: str, reentrant: bool, frozen: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        seed_everything(MODEL_SEED, verbose=False)  # the oracle's initial weights and sampler seed
+        self.model = CheckpointedModel(form, reentrant)
+        for name in frozen:
+            self.model.get_submodule(name).requires_grad_(False)
+
+
+def checkpointed_body(
+    spec: StrategySpec, form: str, reentrant: bool, frozen: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    module = CheckpointedRegression(form, reentrant, frozen)
+    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=STEPS)
+    trainer.fit(module)
+    return float_state(module)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, torch.Tensor]:
+    return oracle_train(world_size=2, steps=STEPS).parameters
+
+
+@pytest.mark.parametrize(("form", "reentrant"), REGIONS)
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_checkpointed_regions_train_like_single_process(rank_pool_2, expected, strategy_name, form, reentrant):
+    results = rank_pool_2.run(checkpointed_body, STRATEGIES[strategy_name], form, reentrant, timeout=120)
+    for weights in results:
+        assert set(weights) == set(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, **EXACT, msg=lambda text, name=name: f"{name}: {text}")
+
+
+FROZEN = ("hidden",)  # inside a checkpointed region, as a LoRA fine-tune's base weights
+FROZEN_STRATEGIES = ("zero2", "gemini", "gemini_offload", "fsdp")
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("strategy_name", FROZEN_STRATEGIES)
+def test_frozen_weights_inside_checkpointed_regions(rank_pool_2, strategy_name, reentrant):
+    expected = oracle_train(world_size=2, steps=STEPS, frozen=FROZEN).parameters
+    results = rank_pool_2.run(checkpointed_body, STRATEGIES[strategy_name], "module", reentrant, FROZEN, timeout=120)
+    for weights in results:
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, **EXACT, msg=lambda text, name=name: f"{name}: {text}")
+
+
+# ----------------------------------------------------------------------------------- Hugging Face's own checkpointing
+HUGGING_FACE_FAMILIES = ("llama", "mixtral")  # mixtral: experts without tokens inside checkpointed layers
+HUGGING_FACE_STRATEGIES = ("ddp", "zero2", "gemini", "fsdp", "hybrid")
+
+
+def hugging_face_body(family: str, reentrant: bool) -> dict[str, dict[str, torch.Tensor]]:
+    from torch.utils.data import DataLoader
+
+    from tests.distributed import test_huggingface_zoo as zoo
+    from tests.distributed.hybrid_bodies import full_weights
+
+    class CheckpointedZooModule(zoo.ZooModule):
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = zoo.new_model(self.family)
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+    rank = torch.distributed.get_rank()
+    results = {}
+    for name in HUGGING_FACE_STRATEGIES:
+        module = CheckpointedZooModule(family)
+        ranks = [0, 1] if name == "hybrid" else [rank]  # tp2 has one data-parallel rank: both read the global batch
+        loader = DataLoader(zoo.step_batches(family, ranks), batch_size=None)
+        strategy = zoo.make_strategy(name, family)
+        trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=zoo.STEPS, use_distributed_sampler=False)
+        trainer.fit(module, train_dataloaders=loader)
+        assert module.model.is_gradient_checkpointing
+        results[name] = full_weights(module, strategy) if name == "hybrid" else float_state(module)
+    return results
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("family", HUGGING_FACE_FAMILIES)
+def test_hugging_face_gradient_checkpointing_trains_like_single_process(rank_pool_2, family, reentrant):
+    pytest.importorskip("transformers")
+    from tests.distributed import test_huggingface_zoo as zoo
+
+    expected = zoo.oracle(family)
+    results = rank_pool_2.run(hugging_face_body, family, reentrant, timeout=240)
+    for weights_by_strategy in results:
+        for name, weights in weights_by_strategy.items():
+            tolerance = zoo.HYBRID if name == "hybrid" else zoo.EXACT
+            assert set(weights) == set(expected), name
+            for key, value in expected.items():
+                torch.testing.assert_close(
+                    weights[key], value, **tolerance, msg=lambda text, key=key, name=name: f"{name} {key}: {text}"
+                )
