@@ -34,7 +34,7 @@ class StepEngine(Protocol):
 
     The engine is built with the optimizer (or given it later, as hybrid's ``attach_optimizer``) and replaces or
     hooks what the optimizer steps on, so clipping and the work after a step must go through it. It is also the
-    precision plugin's gradient clipper (``precision.GradientClipper``), whose two methods it shares.
+    precision plugin's gradient clipper (``precision.GradientClipper``), whose three methods it shares.
     """
 
     def after_step(self, stepped: bool) -> None:
@@ -46,6 +46,10 @@ class StepEngine(Protocol):
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp every gradient element the optimizer steps on to ``[-clip_value, clip_value]``."""
+
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
+        """The ``norm_type`` norm of the whole gradient the optimizer steps on, over all ranks (a collective)."""
+        ...
 
     def remove(self) -> None:
         """Remove the hooks the engine installed on the model (it stops driving it)."""

@@ -56,7 +56,7 @@ from lightning_colossal.config import (
     validate_nonfinite_action,
     validate_precision,
 )
-from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import collectives, sharded_state
 from lightning_colossal.distributed.in_flight import Activity
 
 
@@ -108,6 +108,8 @@ class GradientClipper(Protocol):
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None: ...
 
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor: ...
+
 
 def optimizer_gradients(optimizer: Optimizer) -> list[Tensor]:
     """This rank's gradient tensors of every parameter of ``optimizer`` that has one.
@@ -129,6 +131,31 @@ class LocalGradientClipper:
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
+        gradients = [
+            param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None
+        ]
+        if not any(isinstance(gradient, DTensor) for gradient in gradients):
+            # Every rank holds the whole reduced gradient (DDP): nothing to sum across ranks.
+            whole = [gradient for gradient in gradients if gradient.numel()]
+            return torch.nn.utils.get_total_norm(whole, norm_type) if whole else torch.zeros(())
+        # FSDP: DTensor shards (a rank's may be empty, which torch's max-norm refuses). Each element is counted on
+        # one rank: its shard's owner, at coordinate 0 of every mesh dimension that replicates it.
+        counted = [piece for gradient in gradients if (piece := _counted_piece(gradient)) is not None]
+        return sharded_state.global_norm(counted, None, gradients[0].device, norm_type)
+
+
+def _counted_piece(gradient: Tensor) -> Tensor | None:
+    """The part of ``gradient`` this rank counts in a norm summed over all ranks (``None``: none of it)."""
+    if not isinstance(gradient, DTensor):
+        return gradient if collectives.rank() == 0 and gradient.numel() else None  # whole on every rank
+    coordinate = gradient.device_mesh.get_coordinate() or []
+    for dimension, placement in enumerate(gradient.placements):
+        if placement.is_replicate() and coordinate[dimension] != 0:
+            return None
+    local = gradient.to_local()
+    return local if local.numel() else None
 
 
 class ColossalPrecision(Precision):

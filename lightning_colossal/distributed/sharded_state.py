@@ -168,12 +168,42 @@ def clip_by_global_norm(
     Replicated (zero-dimensional) parameters are held identically by every rank, so only rank 0 counts them.
     """
     gradients = [entry.master.grad for entry in masters if entry.master.grad is not None]
-    counted = [
+    return scale_to_global_norm(gradients, counted_gradients(masters, rank), max_norm, process_group, device)
+
+
+def counted_gradients(masters: Sequence[ShardedMaster], rank: int) -> list[Tensor]:
+    """The master gradients this rank contributes to a global norm: its shards, and replicated ones on rank 0 only."""
+    return [
         entry.master.grad
         for entry in masters
         if entry.master.grad is not None and entry.master.grad.numel() and (rank == 0 or not entry.spec.replicated)
     ]
-    return scale_to_global_norm(gradients, counted, max_norm, process_group, device)
+
+
+def global_norm(
+    counted: Sequence[Tensor],
+    process_group: ProcessGroup | None,
+    device: torch.device,
+    norm_type: float = 2.0,
+    activity: str = "summing the gradient norm",
+) -> Tensor:
+    """The ``norm_type`` norm of the gradient whose elements are ``counted`` over ``process_group``'s ranks (each
+    element on exactly one rank; the world when ``None``): one scalar all-reduce, accumulated in fp64."""
+    if norm_type == math.inf:
+        largest = torch.zeros((), dtype=torch.float64, device=device)
+        for device_gradients in _by_device(list(counted)):
+            norms = torch._foreach_norm(device_gradients, math.inf)
+            largest = torch.maximum(largest, torch.stack(norms).double().max().to(device))
+        with Activity(activity):
+            collectives.all_reduce(largest, op="max", group=process_group)
+        return largest.float()
+    powers = torch.zeros((), dtype=torch.float64, device=device)
+    for device_gradients in _by_device(list(counted)):
+        # Per-tensor norms in one fused pass per device (as torch's clip_grad_norm_), their powers summed in fp64.
+        powers += torch.stack(torch._foreach_norm(device_gradients, norm_type)).double().pow(norm_type).sum().to(device)
+    with Activity(activity):
+        collectives.all_reduce(powers, op="sum", group=process_group)
+    return (powers.sqrt() if norm_type == 2.0 else powers.pow(1.0 / norm_type)).float()
 
 
 def scale_to_global_norm(
@@ -188,13 +218,7 @@ def scale_to_global_norm(
     ``counted`` are the gradients this rank contributes to the norm (each element of the global gradient must be
     counted on exactly one rank); their squares are summed over ``process_group`` (the world when ``None``).
     """
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for device_gradients in _by_device(counted):
-        # Per-tensor norms in one fused pass per device (as torch's clip_grad_norm_), summed in fp64.
-        squares += torch.stack(torch._foreach_norm(device_gradients, 2.0)).double().pow(2).sum().to(device)
-    with Activity("summing the gradient norm for clipping"):
-        collectives.all_reduce(squares, op="sum", group=process_group)
-    norm = squares.sqrt().float()
+    norm = global_norm(counted, process_group, device, 2.0, "summing the gradient norm for clipping")
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for device_gradients in _by_device(gradients):
         torch._foreach_mul_(device_gradients, coefficient.to(device_gradients[0].device))

@@ -269,6 +269,11 @@ class GeminiEngine:
             self.sharded_masters, max_norm, self.process_group, self.rank, self.compute_device
         )
 
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
+        """The norm of the whole reduced gradient over every rank's shards (one scalar all-reduce)."""
+        counted = sharded_state.counted_gradients(self.sharded_masters, self.rank)
+        return sharded_state.global_norm(counted, self.process_group, self.compute_device, norm_type)
+
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         sharded_state.clip_by_value(self.sharded_masters, clip_value)
 

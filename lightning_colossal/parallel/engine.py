@@ -268,6 +268,10 @@ class HybridEngine:
         all_gradients, counted = self._gradients_for_norm()
         return sharded_state.scale_to_global_norm(all_gradients, counted, max_norm, None, self.device)
 
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
+        """The norm over every rank's gradients (tensor, pipeline and data parallel; one scalar all-reduce)."""
+        return sharded_state.global_norm(self._gradients_for_norm()[1], None, self.device, norm_type)
+
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         for gradient in self._gradients_for_norm()[0]:
             gradient.clamp_(-clip_value, clip_value)

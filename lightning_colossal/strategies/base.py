@@ -164,6 +164,34 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         ``None`` when every rank holds every parameter whole ([Note: weight averaging and sharded parameters])."""
         return None
 
+    def gradient_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole gradient the next optimizer step applies, computed over every rank.
+
+        Call it on every rank (a collective) where gradients are complete and not yet clipped: in
+        ``on_before_optimizer_step``, or after ``manual_backward`` in manual optimization. It works the same under
+        every strategy, where Lightning's ``grad_norm(module)`` reads ``parameter.grad``: ZeRO-2 and Gemini keep no
+        whole ``.grad`` (it finds none and logs nothing) and FSDP keeps DTensor shards (it fails)::
+
+            def on_before_optimizer_step(self, optimizer):
+                self.log("gradient_norm", self.trainer.strategy.gradient_norm())
+
+        Args:
+            norm_type: 2.0 (the norm gradient clipping uses), any other p >= 1, or ``float("inf")`` (the largest
+                element).
+
+        Returns:
+            A 0-dimensional float32 tensor, the same on every rank; after a ``16-mixed`` loss scaler has unscaled.
+        """
+        norm_type = float(norm_type)
+        if not norm_type >= 1.0:
+            raise ValueError(f"norm_type={norm_type} is not a norm: pass 2.0, another p >= 1, or float('inf').")
+        if not self.optimizers:
+            raise RuntimeError(
+                "gradient_norm() measures the gradients an optimizer will step on, and this run has no optimizer yet:"
+                " call it during fit, from on_before_optimizer_step (or after manual_backward)."
+            )
+        return self.precision_plugin.gradient_clipper.gradient_norm(_unwrap_optimizer(self.optimizers[0]), norm_type)
+
     def model_to_device(self) -> None:
         assert self.model is not None
         if self.materialises_meta_models and has_meta_tensors(self.model):

@@ -129,10 +129,15 @@ def float_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().float().cpu().clone() for name, tensor in full.items()}
 
 
+NORM_TYPES = (1.0, 2.0, float("inf"))
+
+
 @dataclass
 class OracleResult:
     step_losses: list[float] = field(default_factory=list)
     parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Per step, before clipping: the gradient's norm of each type in NORM_TYPES.
+    gradient_norms: list[dict[float, float]] = field(default_factory=list)
 
 
 def oracle_train(
@@ -167,6 +172,10 @@ def oracle_train(
         loss = torch.stack(losses).mean()
         loss.backward()
         result.step_losses.append(loss.item())
+        gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+        result.gradient_norms.append(
+            {norm_type: torch.nn.utils.get_total_norm(gradients, norm_type).item() for norm_type in NORM_TYPES}
+        )
         if step in skip_steps:
             continue
         if clip_norm is not None:

@@ -1,0 +1,97 @@
+"""``trainer.strategy.gradient_norm()``: the norm of the whole gradient, the same under every strategy.
+
+Lightning's ``grad_norm(module)`` reads ``parameter.grad``. Under ZeRO-2 and Gemini the reduced gradient lives in
+shards the engine owns and ``.grad`` is empty, so it silently logs nothing; under FSDP ``.grad`` is a DTensor shard
+and it fails. The strategy method asks the engine, which knows where every piece of the gradient is. Checked against
+single-process PyTorch at every step, before clipping, for the 1-, 2- and max-norm, with accumulation and a clip that
+triggers (the norm must be the one before clipping).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from lightning.pytorch import seed_everything
+
+from lightning_colossal import StaticPlacement, ZeroStrategy
+from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec
+from tests.distributed.oracle import MODEL_SEED, NORM_TYPES, RegressionModule, oracle_train, quiet_trainer
+from tests.distributed.test_workflow_rows import _strategy
+
+STEPS = 3
+ACCUMULATE = 2
+CLIP_NORM = 0.05
+STRATEGIES: dict[str, StrategySpec] = {
+    "ddp": DDP,
+    "zero1": ZERO1,
+    "zero2": ZERO2,
+    "zero2_offload": ("zero", {"stage": 2, "cpu_offload": True}),
+    "gemini": GEMINI,
+    "gemini_offload": (
+        "gemini",
+        {"chunk_numel": 1100, "placement": StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)},
+    ),
+    "gemini_kept_gathered": ("gemini", {"chunk_numel": 1100, "placement": StaticPlacement(shard_param_frac=0.0)}),
+    "fsdp": FSDP,
+    "hybrid_dp": ("hybrid", {"zero_stage": 1}),
+}
+
+
+class NormRecordingModule(RegressionModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[dict[float, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        strategy = self.trainer.strategy
+        self.norms.append({norm_type: strategy.gradient_norm(norm_type).item() for norm_type in NORM_TYPES})
+
+
+def gradient_norm_body(spec: StrategySpec) -> list[dict[float, float]]:
+    seed_everything(MODEL_SEED, verbose=False)  # the oracle's initial weights and sampler seed
+    module = NormRecordingModule()
+    trainer = quiet_trainer(
+        strategy=_strategy(spec),
+        devices=2,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP_NORM,
+    )
+    trainer.fit(module)
+    return module.norms
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[dict[float, float]]:
+    oracle = oracle_train(world_size=2, steps=STEPS, accumulate=ACCUMULATE, clip_norm=CLIP_NORM)
+    assert min(norms[2.0] for norms in oracle.gradient_norms) > CLIP_NORM, "the clip must trigger"
+    return oracle.gradient_norms
+
+
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_gradient_norm_equals_single_process(rank_pool_2, expected, strategy_name):
+    results = rank_pool_2.run(gradient_norm_body, STRATEGIES[strategy_name], timeout=120)
+    for norms in results:
+        assert len(norms) == STEPS
+        for step, (got, want) in enumerate(zip(norms, expected, strict=True)):
+            for norm_type in NORM_TYPES:
+                assert got[norm_type] == pytest.approx(want[norm_type], rel=1e-5), (step, norm_type)
+
+
+def refusal_body() -> list[str]:
+    messages = []
+    strategy = ZeroStrategy(stage=2)
+    for call in (lambda: strategy.gradient_norm(0.5), lambda: strategy.gradient_norm()):
+        try:
+            call()
+        except (ValueError, RuntimeError) as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_gradient_norm_refuses_what_it_cannot_measure() -> None:
+    messages = refusal_body()
+    assert len(messages) == 2
+    assert "norm_type=0.5 is not a norm" in messages[0]
+    assert "no optimizer yet" in messages[1] and "on_before_optimizer_step" in messages[1]
