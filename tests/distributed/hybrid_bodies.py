@@ -7,6 +7,7 @@ under tensor, pipeline and sequence parallelism is exactly what one step of the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -249,6 +250,7 @@ def oracle(
     inputs, targets = dataset.tensors
     batches = _rank_micro_batches(dataset, dp_size, batch_size)
     losses = []
+    gradient_norms = []
     for _ in range(steps):
         optimizer.zero_grad()
         step_losses = []
@@ -261,11 +263,13 @@ def oracle(
         loss = torch.stack(step_losses).mean()
         loss.backward()
         losses.append(loss.item())
+        gradients = [parameter.grad for parameter in model.parameters() if parameter.grad is not None]
+        gradient_norms.append({p: torch.nn.utils.get_total_norm(gradients, p).item() for p in (1.0, 2.0, math.inf)})
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
     weights = {f"model.{name}": value.detach().clone() for name, value in model.state_dict().items()}
-    return {"weights": weights, "losses": losses}
+    return {"weights": weights, "losses": losses, "gradient_norms": gradient_norms}
 
 
 def merged_weights(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

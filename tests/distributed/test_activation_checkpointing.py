@@ -182,3 +182,52 @@ def test_hugging_face_gradient_checkpointing_trains_like_single_process(rank_poo
                 torch.testing.assert_close(
                     weights[key], value, **tolerance, msg=lambda text, key=key, name=name: f"{name} {key}: {text}"
                 )
+
+
+# ----------------------------------------------------------------------------------- LoRA with checkpointing
+LORA_STRATEGIES = ("zero2", "gemini", "gemini_offload", "fsdp", "hybrid_tp2")
+
+
+def lora_body(strategy_name: str, reentrant: bool) -> dict[str, torch.Tensor]:
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from tests.distributed import test_lora as lora
+
+    class CheckpointedLora(lora.LoraLlamaModule):
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = lora.build_lora_model(self.target_modules)
+                # Hugging Face also makes the embeddings' output require grad, so a reentrant region gets gradients.
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+    seed_everything(lora.SAMPLER_SEED, verbose=False)
+    module = CheckpointedLora("sgd")
+    strategy = lora.make_strategy(strategy_name)
+    dataset = RandomTokenDataset(
+        num_samples=lora.NUM_SAMPLES, block_size=lora.BLOCK_SIZE, vocab_size=lora.VOCAB_SIZE, seed=lora.DATA_SEED
+    )
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=1)
+    trainer.fit(module, train_dataloaders=DataLoader(dataset, batch_size=lora.BATCH_SIZE))
+    assert module.model.base_model.model.is_gradient_checkpointing
+    return {name: tensor.detach().float().clone() for name, tensor in strategy.full_model_state_dict().items()}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+@pytest.mark.parametrize("strategy_name", LORA_STRATEGIES)
+def test_lora_with_gradient_checkpointing_trains_like_single_process(rank_pool_2, strategy_name, reentrant):
+    pytest.importorskip("peft")
+    from tests.distributed import test_lora as lora
+
+    dp_size = lora.data_parallel_size(strategy_name, 2)
+    expected = lora.oracle_train("sgd", dp_size, lora.NUM_SAMPLES // (lora.BATCH_SIZE * dp_size))
+    results = rank_pool_2.run(lora_body, strategy_name, reentrant, timeout=240)
+    lora_weights = [name for name in expected if "lora_" in name]
+    assert lora_weights
+    for weights in results:
+        assert set(weights) == set(expected)
+        for name in expected:
+            torch.testing.assert_close(
+                weights[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}"
+            )

@@ -16,6 +16,8 @@ from lightning.pytorch import seed_everything
 
 from lightning_colossal import StaticPlacement, ZeroStrategy
 from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec
+from tests.distributed.hybrid_bodies import TinyGPTModule
+from tests.distributed.hybrid_bodies import oracle as hybrid_oracle
 from tests.distributed.oracle import MODEL_SEED, NORM_TYPES, RegressionModule, oracle_train, quiet_trainer
 from tests.distributed.test_workflow_rows import _strategy
 
@@ -95,3 +97,42 @@ def test_gradient_norm_refuses_what_it_cannot_measure() -> None:
     assert len(messages) == 2
     assert "norm_type=0.5 is not a norm" in messages[0]
     assert "no optimizer yet" in messages[1] and "on_before_optimizer_step" in messages[1]
+
+
+# ---------------------------------------------------------------------------------- tensor and pipeline parallelism
+HYBRID_CASES = {
+    "tp2": {"tp_size": 2},
+    "tp2_sequence_parallel": {"tp_size": 2, "sequence_parallel": "split_gather"},
+    "pp2": {"pp_size": 2, "num_microbatches": 2},
+}
+
+
+class NormRecordingGPT(TinyGPTModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: list[dict[float, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        strategy = self.trainer.strategy
+        self.norms.append({norm_type: strategy.gradient_norm(norm_type).item() for norm_type in NORM_TYPES})
+
+
+def hybrid_gradient_norm_body(strategy_kwargs: dict[str, Any]) -> list[dict[float, float]]:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = NormRecordingGPT()
+    trainer = quiet_trainer(strategy=HybridParallelStrategy(**strategy_kwargs), devices=2, max_steps=STEPS)
+    trainer.fit(module)
+    return module.norms
+
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_gradient_norm_under_tensor_and_pipeline_parallelism(rank_pool_2, case):
+    expected = hybrid_oracle(dp_size=1, steps=STEPS)["gradient_norms"]
+    results = rank_pool_2.run(hybrid_gradient_norm_body, HYBRID_CASES[case], timeout=300)
+    for norms in results:
+        assert len(norms) == STEPS
+        for step, (got, want) in enumerate(zip(norms, expected, strict=True)):
+            for norm_type in NORM_TYPES:
+                assert got[norm_type] == pytest.approx(want[norm_type], rel=1e-4), (step, norm_type)
