@@ -28,13 +28,11 @@ STRATEGIES: dict[str, StrategySpec] = {
     "ddp": DDP,
     "zero1": ZERO1,
     "zero2": ZERO2,
-    "zero2_offload": ("zero", {"stage": 2, "cpu_offload": True}),
     "gemini": GEMINI,
     "gemini_offload": (
         "gemini",
         {"chunk_numel": 1100, "placement": StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)},
     ),
-    "gemini_kept_gathered": ("gemini", {"chunk_numel": 1100, "placement": StaticPlacement(shard_param_frac=0.0)}),
     "fsdp": FSDP,
     "hybrid_dp": ("hybrid", {"zero_stage": 1}),
 }
