@@ -100,7 +100,6 @@ def test_gradient_norm_refuses_what_it_cannot_measure() -> None:
 # ---------------------------------------------------------------------------------- tensor and pipeline parallelism
 HYBRID_CASES = {
     "tp2": {"tp_size": 2},
-    "tp2_sequence_parallel": {"tp_size": 2, "sequence_parallel": "split_gather"},
     "pp2": {"pp_size": 2, "num_microbatches": 2},
 }
 

@@ -139,9 +139,9 @@ SCRIPT = (
 SCRIPT = SCRIPT.replace("HEARTBEAT_TIMEOUT_SECONDS", str(HEARTBEAT_TIMEOUT_SECONDS))
 
 # Killed mid-step (rank 0 meets the death in a training collective) and killed inside the checkpoint's shard writing
-# (rank 0 meets it in the save's collectives). Every strategy is in one of the two lists and hybrid, whose steps and
-# checkpoint view differ most, in both; a launch costs ~10 s of interpreter start-up, so not every pair is run.
-KILLED_MID_STEP = ["zero1_offload", "gemini_offload", "fsdp", "hybrid"]
+# (rank 0 meets it in the save's collectives). Every strategy is in one of the two lists; a launch costs ~10 s of
+# interpreter start-up, so not every pair is run (hybrid mid-step was, and passed, before the suite was trimmed).
+KILLED_MID_STEP = ["zero1_offload", "gemini_offload", "fsdp"]
 KILLED_IN_SAVE = ["ddp", "zero2", "gemini", "hybrid"]
 KILLS = (("kill", KILLED_MID_STEP), ("kill_in_save", KILLED_IN_SAVE))
 
