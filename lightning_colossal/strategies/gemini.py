@@ -9,6 +9,7 @@ its name-keyed shards.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -20,6 +21,17 @@ from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlaceme
 from lightning_colossal.gemini import GeminiEngine
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.model_summary import count_whole_parameters_in_model_summary
+
+# What torch says when an op meets a chunked parameter's empty 1-D placeholder ("mat2 must be a matrix, got 1-D
+# tensor", "'weight' must be 2-D", "size of tensor b (0)", "4x32 and 0x..."): the parameter was read outside the
+# forward of the module that owns it, where Gemini gathers it.
+_PLACEHOLDER_SYMPTOM = re.compile(r"1-D|must be 2-D|\(0\)|\b0x\d|of size 0|\[0\]")
+PLACEHOLDER_HINT = (
+    "colossal_gemini: outside the forward of the module that owns it, a chunked parameter is an empty placeholder"
+    " (Gemini gathers its chunk for that module's forward and backward only). If this step reads a weight directly,"
+    " e.g. F.linear(hidden, self.head.weight) or a weight tied by hand, call the owning module instead (self.head("
+    "hidden)), or train with colossal_zero2, which keeps every parameter whole."
+)
 
 
 class GeminiStrategy(EngineStrategy[GeminiEngine]):
@@ -106,6 +118,12 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         # Parameters get their whole values back in their own storage (as after any Lightning run); at teardown the
         # base then moves them to the CPU. Between stages: the earlier stage's chunks go, this stage builds its own.
         engine.restore_full_parameters()
+
+    def _annotate_failure(self, exception: BaseException) -> None:
+        super()._annotate_failure(exception)
+        if self.engine is not None and isinstance(exception, RuntimeError):
+            if _PLACEHOLDER_SYMPTOM.search(str(exception)):
+                exception.add_note(PLACEHOLDER_HINT)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:

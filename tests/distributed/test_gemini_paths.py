@@ -273,3 +273,31 @@ def test_bad_input_is_refused_with_the_fix(rank_pool_2, case, fragments):
     for message in rank_pool_2.run(refusal_body, case, timeout=60):
         for fragment in fragments:
             assert fragment in message, message
+
+
+class WeightReadOutsideItsModule(RegressionModule):
+    """Reads the output layer's weight directly, outside that module's forward (as a hand-tied head would)."""
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        inputs, targets = batch
+        hidden = torch.relu(self.model.hidden(torch.tanh(self.model.norm(self.model.input(inputs)))))
+        prediction = nn.functional.linear(hidden, self.model.output.weight, self.model.output.bias)
+        return nn.functional.mse_loss(prediction, targets)
+
+
+def weight_outside_its_module_body() -> list[str]:
+    from lightning.pytorch import seed_everything
+
+    seed_everything(MODEL_SEED, verbose=False)
+    # 1024-element chunks: the output layer's chunk holds nothing else, so nothing gathers it for another module.
+    trainer = quiet_trainer(strategy=GeminiStrategy(chunk_numel=1024), devices=2, max_steps=STEPS)
+    with pytest.raises(RuntimeError) as raised:
+        trainer.fit(WeightReadOutsideItsModule())
+    return [str(raised.value), *getattr(raised.value, "__notes__", [])]
+
+
+def test_a_weight_read_outside_its_module_is_explained(rank_pool_2):
+    for message in rank_pool_2.run(weight_outside_its_module_body, timeout=60):
+        assert "got 1-D tensor" in message[0]  # torch's own words
+        hint = [note for note in message[1:] if note.startswith("colossal_gemini:")]
+        assert hint and "self.head(hidden)" in hint[0] and "colossal_zero2" in hint[0], message
