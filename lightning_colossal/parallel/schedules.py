@@ -5,7 +5,9 @@ the mean loss or the last stage's outputs. Which stages a rank runs is ``stages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +66,7 @@ class PipelineRunner:
         self.holds_first = 0 in stage_indices
         self.holds_last = num_stages - 1 in stage_indices
         self._schedules: dict[tuple[int, bool], Any] = {}
+        self._stepped: set[int] = set()  # ids of the schedules that have run a step (their stages are initialised)
 
     def _schedule(self, num_microbatches: int, training: bool) -> Any:
         # Stages record shapes on first use; one schedule per (micro-batch count, mode) keeps that cache valid.
@@ -96,7 +99,9 @@ class PipelineRunner:
             kwargs["target"] = targets
             kwargs["losses"] = losses
         arguments = (inputs,) if self.holds_first else ()
-        schedule.step(*arguments, **kwargs)
+        with _without_anomaly_detection_while_stages_initialise(id(schedule) not in self._stepped):
+            schedule.step(*arguments, **kwargs)
+        self._stepped.add(id(schedule))
         # Each micro-batch loss was divided by the count already (see _scaled_loss): their sum is the mean.
         loss = torch.stack([value.detach() for value in losses]).sum() if self.holds_last else None
         return PipelineResult(loss=loss, outputs=[])
@@ -161,3 +166,25 @@ def _scaled_loss(
         return loss_function(output, target) / num_microbatches
 
     return scaled
+
+
+@contextmanager
+def _without_anomaly_detection_while_stages_initialise(first_step: bool) -> Iterator[None]:
+    """Turn ``Trainer(detect_anomaly=True)`` off for a schedule's first step, which initialises its stages.
+
+    torch's pipelining infers the gradients' shapes there with a backward over buffers it never fills, and anomaly
+    mode reads the garbage in them as NaN: the stage that sees one raises while its peers wait for it forever. Every
+    later step (and so every real gradient after the first) is checked.
+    """
+    if not (first_step and torch.is_anomaly_enabled()):
+        yield
+        return
+    if collectives.rank() == 0:
+        warnings.warn(
+            "detect_anomaly=True: the first pipeline step runs without anomaly detection (torch's pipelining infers"
+            " gradient shapes on uninitialised buffers there, which anomaly mode reports as NaN); later steps are"
+            " checked.",
+            stacklevel=2,
+        )
+    with torch.autograd.set_detect_anomaly(False):
+        yield

@@ -12,7 +12,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, PipelineConfig, PipelineSchedule, SequenceParallelMode
@@ -179,7 +181,24 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             return plain(step(*args, **kwargs))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_anomaly_detection_on_dtensors()
         return self._step(super().training_step, self._pipeline_training_step, *args, **kwargs)
+
+    def _refuse_anomaly_detection_on_dtensors(self) -> None:
+        """``Trainer(detect_anomaly=True)`` (on from the loop's start, so first seen here) fails inside backward under
+        tensor parallelism: anomaly mode checks each gradient with ``aten._is_any_true``, an operator DTensor has no
+        sharding rule for. Refuse before the first forward, naming what works instead."""
+        if not torch.is_anomaly_enabled() or self.lightning_module is None:
+            return
+        tensor_parallel = self.hybrid_config.tp_size > 1  # the policy's layers compute on DTensors inside forward
+        if tensor_parallel or any(isinstance(parameter, DTensor) for parameter in self.lightning_module.parameters()):
+            raise RuntimeError(
+                "Trainer(detect_anomaly=True) cannot run under tensor parallelism (DTensors): torch's anomaly"
+                " mode checks every gradient with an operator DTensor has no rule for (aten._is_any_true) and fails"
+                " inside backward. Debug with detect_anomaly=True at tp_size=1 (data or pipeline parallelism), or keep"
+                " tensor parallelism and find the first non-finite step with ColossalPrecision(on_nonfinite='raise'),"
+                " the default, which names the step and the ranks."
+            )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step(super().validation_step, self._pipeline_evaluation_step, *args, **kwargs)

@@ -277,3 +277,55 @@ def test_second_fit_under_hybrid_zero_replaces_the_first_fits_gradient_hooks(ran
         )
         assert set(result["hooks after"]) == {0}
         _assert_weights(result["weights"], reference, "hybrid zero1 after two fits")
+
+
+# --------------------------------------------------------------------------------------------- the Trainer's features
+def trainer_feature_body(strategy_kwargs: dict[str, Any], feature: str) -> dict[str, Any]:
+    """Fit the tiny GPT three steps with one everyday Trainer feature on; whole weights, or the error's message."""
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = bodies.TinyGPTModule()
+    settings = {
+        "detect_anomaly": {"detect_anomaly": True},
+        "barebones": {"barebones": True},
+        "profiler": {"profiler": SimpleProfiler()},
+        "validation": {"val_check_interval": 2, "limit_val_batches": 2, "num_sanity_val_steps": 2},
+    }[feature]
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=3, **settings)
+    try:
+        trainer.fit(module)
+    except RuntimeError as error:
+        return {"error": str(error), "steps_run": len(module.step_losses)}
+    return {"weights": bodies.full_weights(module, strategy), "steps": trainer.global_step}
+
+
+FEATURE_ROWS = [
+    pytest.param({"pp_size": 2, "num_microbatches": 2}, "detect_anomaly", id="pp2-detect_anomaly"),
+    pytest.param({"tp_size": 2}, "barebones", id="tp2-barebones"),
+    pytest.param({"tp_size": 2, "sequence_parallel": "split_gather"}, "profiler", id="tp2_sp-profiler"),
+    pytest.param({"pp_size": 2, "num_microbatches": 2}, "validation", id="pp2-validation"),
+]
+
+
+@pytest.mark.parametrize(("strategy_kwargs", "feature"), FEATURE_ROWS)
+def test_everyday_trainer_features_train_like_single_process(rank_pool_2, strategy_kwargs, feature):
+    expected = bodies.oracle(1, 3)["weights"]
+    results = rank_pool_2.run(trainer_feature_body, strategy_kwargs, feature, timeout=120)
+    assert all(result.get("steps") == 3 for result in results), [result.get("error") for result in results]
+    got = bodies.merged_weights(results)
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            got[name], value, atol=1e-4, rtol=1e-4, msg=lambda text, name=name: f"{name}: {text}"
+        )
+
+
+def test_anomaly_detection_on_tensor_parallel_pieces_is_refused_with_the_fix(rank_pool_2):
+    # torch's anomaly mode checks each gradient with aten._is_any_true, which DTensor has no rule for.
+    for result in rank_pool_2.run(trainer_feature_body, {"tp_size": 2}, "detect_anomaly", timeout=120):
+        assert result["steps_run"] == 0, result
+        assert "detect_anomaly=True) cannot run under tensor parallelism" in result["error"]
+        assert "tp_size=1" in result["error"] and "on_nonfinite='raise'" in result["error"]
