@@ -38,14 +38,27 @@ STRATEGIES: dict[str, StrategySpec] = {
 }
 
 
-class NormRecordingModule(RegressionModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norms: list[dict[float, float]] = []
+class RecordsGradientNorms:
+    """Mixin for a LightningModule: ``norms`` gets every norm type of ``strategy.gradient_norm`` before each step."""
+
+    norms: list[dict[float, float]]
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        strategy = self.trainer.strategy
-        self.norms.append({norm_type: strategy.gradient_norm(norm_type).item() for norm_type in NORM_TYPES})
+        strategy = self.trainer.strategy  # type: ignore[attr-defined]
+        measured = {norm_type: strategy.gradient_norm(norm_type).item() for norm_type in NORM_TYPES}
+        self.__dict__.setdefault("norms", []).append(measured)
+
+
+class NormRecordingModule(RecordsGradientNorms, RegressionModule):
+    pass
+
+
+def assert_norms_match(results: list[list[dict[float, float]]], expected: list[dict[float, float]], rel: float) -> None:
+    for norms in results:
+        assert len(norms) == STEPS
+        for step, (got, want) in enumerate(zip(norms, expected, strict=True)):
+            for norm_type in NORM_TYPES:
+                assert got[norm_type] == pytest.approx(want[norm_type], rel=rel), (step, norm_type)
 
 
 def gradient_norm_body(spec: StrategySpec) -> list[dict[float, float]]:
@@ -71,12 +84,7 @@ def expected() -> list[dict[float, float]]:
 
 @pytest.mark.parametrize("strategy_name", list(STRATEGIES))
 def test_gradient_norm_equals_single_process(rank_pool_2, expected, strategy_name):
-    results = rank_pool_2.run(gradient_norm_body, STRATEGIES[strategy_name], timeout=120)
-    for norms in results:
-        assert len(norms) == STEPS
-        for step, (got, want) in enumerate(zip(norms, expected, strict=True)):
-            for norm_type in NORM_TYPES:
-                assert got[norm_type] == pytest.approx(want[norm_type], rel=1e-5), (step, norm_type)
+    assert_norms_match(rank_pool_2.run(gradient_norm_body, STRATEGIES[strategy_name], timeout=120), expected, 1e-5)
 
 
 def refusal_body() -> list[str]:
@@ -104,14 +112,8 @@ HYBRID_CASES = {
 }
 
 
-class NormRecordingGPT(TinyGPTModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norms: list[dict[float, float]] = []
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        strategy = self.trainer.strategy
-        self.norms.append({norm_type: strategy.gradient_norm(norm_type).item() for norm_type in NORM_TYPES})
+class NormRecordingGPT(RecordsGradientNorms, TinyGPTModule):
+    pass
 
 
 def hybrid_gradient_norm_body(strategy_kwargs: dict[str, Any]) -> list[dict[float, float]]:
@@ -127,9 +129,4 @@ def hybrid_gradient_norm_body(strategy_kwargs: dict[str, Any]) -> list[dict[floa
 @pytest.mark.parametrize("case", list(HYBRID_CASES))
 def test_gradient_norm_under_tensor_and_pipeline_parallelism(rank_pool_2, case):
     expected = hybrid_oracle(dp_size=1, steps=STEPS)["gradient_norms"]
-    results = rank_pool_2.run(hybrid_gradient_norm_body, HYBRID_CASES[case], timeout=300)
-    for norms in results:
-        assert len(norms) == STEPS
-        for step, (got, want) in enumerate(zip(norms, expected, strict=True)):
-            for norm_type in NORM_TYPES:
-                assert got[norm_type] == pytest.approx(want[norm_type], rel=1e-4), (step, norm_type)
+    assert_norms_match(rank_pool_2.run(hybrid_gradient_norm_body, HYBRID_CASES[case], timeout=300), expected, 1e-4)
