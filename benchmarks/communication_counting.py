@@ -367,9 +367,40 @@ def analyse_rank(rank: Mapping[str, Any], max_control_bytes: int = CONTROL_MAX_B
         "socket_bytes_sent": steady["socket_bytes_sent"],
         "socket_writes": steady["socket_writes"],
         "socket_bytes_sent_per_step": [step["socket_bytes_sent"] for step in steps],
+        # Medians over the probed steps ([Note: CPU time per rank] in benchmarks/communication.py).
+        "main_thread_cpu_seconds": _median([step.get("main_thread_cpu_seconds", 0.0) for step in steps]),
+        "other_threads_cpu_seconds": _median([step.get("other_threads_cpu_seconds", 0.0) for step in steps]),
+        "wall_seconds": _median([step.get("wall_seconds", 0.0) for step in steps]),
         "data_by_phase_and_kind": _grouped(data, ("phase", "kind")),
         "control_by_site": _grouped(control, ("site", "kind", "shapes", "phase")),
     }
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _cpu_table(configurations: Mapping[str, Any]) -> list[str]:
+    """Per rank and step: the main thread's CPU (compute) and the other threads' (gloo's collectives), and wall."""
+    lines = [
+        "",
+        "CPU seconds per rank and step (median over the probed steps; rank 0 / rank 1 / ...): the main thread's "
+        "(model, optimizer, buffer work) and the other threads' (gloo runs each collective on its own threads), "
+        "then wall time, which with more ranks than cores measures the scheduler:",
+        "",
+        "| configuration | ranks | main thread CPU ms | other threads CPU ms | wall ms |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, result in configurations.items():
+        ranks = result["analysis"]["ranks"]
+        columns = [
+            " / ".join(f"{rank[key] * 1000:.0f}" for rank in ranks)
+            for key in ("main_thread_cpu_seconds", "other_threads_cpu_seconds", "wall_seconds")
+        ]
+        lines.append(f"| {label} | {len(ranks)} | {' | '.join(columns)} |")
+    return lines
 
 
 def _bytes(value: float) -> str:
@@ -549,6 +580,7 @@ def markdown(document: Mapping[str, Any]) -> str:
         *_payload_table(configurations),
         *_wire_table(configurations),
         *_control_table(configurations),
+        *_cpu_table(configurations),
     ]
     notes = _notes(configurations)
     if notes:

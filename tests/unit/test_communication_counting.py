@@ -189,6 +189,26 @@ def test_analyse_rank_uses_the_last_step_and_checks_the_others() -> None:
     assert scatter_gather["gloo_model_bytes"] - scatter_gather["ring_model_bytes"] == 2 * PSI
 
 
+def test_cpu_seconds_are_medians_over_the_probed_steps() -> None:
+    clocks = [(0.070, 0.020, 0.110), (0.060, 0.010, 0.090), (0.080, 0.030, 0.200)]
+    steps = [
+        {
+            "step": index,
+            "collectives": zero2_step(True),
+            "socket_bytes_sent": 0,
+            "socket_writes": 0,
+            "main_thread_cpu_seconds": main,
+            "other_threads_cpu_seconds": other,
+            "wall_seconds": wall,
+        }
+        for index, (main, other, wall) in zip((2, 3, 4), clocks, strict=True)
+    ]
+    analysis = analyse_rank({"rank": 0, "steps": steps})
+    assert analysis["main_thread_cpu_seconds"] == pytest.approx(0.070)
+    assert analysis["other_threads_cpu_seconds"] == pytest.approx(0.020)
+    assert analysis["wall_seconds"] == pytest.approx(0.110)
+
+
 def test_gloo_wire_bytes_of_reduce_scatters_are_those_of_an_all_reduce() -> None:
     for op in GLOO_REDUCE_SCATTER_AS_ALL_REDUCE:
         assert gloo_wire_bytes(record("reduce_scatter", 4000, op=op, group_size=4)) == 6000
@@ -231,6 +251,7 @@ def test_markdown_puts_measurement_next_to_formula() -> None:
     assert "| 2.0000 |" in text  # wire against the formula's wire
     assert "`somewhere.py:function`" in text
     assert "| reduce_scatter_tensor | 2,048 / 2,048 | 4,144 / 4,144 | 2 / 2 | 2,096 / 2,096 |" in text
+    assert "| colossal_zero2_all_reduce | 2 | 0 / 0 | 0 / 0 | 0 / 0 |" in text  # steps without clocks: zeros
 
 
 # ---------------------------------------------------------------------------------------------------------------
