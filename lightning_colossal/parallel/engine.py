@@ -39,7 +39,7 @@ from lightning_colossal.parallel.initial_weights import initialise_from_template
 from lightning_colossal.parallel.names import ParameterNames
 from lightning_colossal.parallel.pipeline import PipelineStep
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, check_tensor_parallel_regions
-from lightning_colossal.parallel.tensor_parallel import ParallelContext, local_view, loss_context
+from lightning_colossal.parallel.tensor_parallel import ParallelContext, VocabParallelHead, local_view, loss_context
 from lightning_colossal.zero import ZeroEngine
 
 
@@ -223,6 +223,18 @@ class HybridEngine:
     def loss_context(self) -> AbstractContextManager[Any]:
         """``loss_parallel`` under tensor parallelism (vocabulary-sharded logits), for forward and backward alike."""
         return loss_context(self.context)
+
+    @contextmanager
+    def whole_logits(self) -> Iterator[None]:
+        """Inside: vocabulary-parallel heads return whole plain logits (``VocabParallelHead.whole_output``)."""
+        heads = [module for module in self.model.modules() if isinstance(module, VocabParallelHead)]
+        for head in heads:
+            head.whole_output = True
+        try:
+            yield
+        finally:
+            for head in heads:
+                head.whole_output = False
 
     # ---------------------------------------------------------------------------------------------- clipping
     def _counted_here(self, parameter_key: int, replicated_over_reduce: bool) -> bool:

@@ -250,7 +250,9 @@ class VocabParallelHead(nn.Module):
     The logits never exist whole: the output is a ``DTensor`` sharded on its last dimension, and a cross-entropy
     taken inside ``torch.distributed.tensor.parallel.loss_parallel()`` (the strategy enters it around every step)
     reduces over the vocabulary with two scalar-per-token all-reduces. ``local_output`` returns the plain local
-    logits instead (pipeline stages, which hand tensors to the loss themselves).
+    logits instead (pipeline stages, which hand tensors to the loss themselves). ``whole_output`` gathers them into
+    plain whole logits (evaluation and prediction, where user code and Hugging Face's ``generate()`` take the
+    argmax or sample over the vocabulary and mix the result with plain tensors).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, context: ParallelContext) -> None:
@@ -259,6 +261,7 @@ class VocabParallelHead(nn.Module):
         self.bias = None if bias is None else _as_parameter(bias)
         self.context = context
         self.local_output = False
+        self.whole_output = False
 
     def forward(self, hidden: Tensor) -> Tensor:
         if self.context.split_gather and self.context.tp_size > 1:
@@ -267,7 +270,8 @@ class VocabParallelHead(nn.Module):
             logits = F.linear(differentiable.copy_to_group(hidden, self.context.tp_group), self.weight, self.bias)
         if self.local_output or self.context.tp_size == 1:
             return logits
-        return vocab_sharded(logits, self.context)
+        sharded = vocab_sharded(logits, self.context)
+        return sharded.full_tensor() if self.whole_output else sharded
 
 
 def local_view(tensor: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ pipeline schedule in place of ``training_step`` (see ``docs/hybrid.md``, "Lightn
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -170,19 +171,24 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         assert self.engine is not None and self.engine.pipeline is not None
         return self.engine.pipeline
 
-    def _step(self, step: Callable[..., Any], pipeline_step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _step(
+        self, step: Callable[..., Any], pipeline_step: Callable[..., Any], training: bool, *args: Any, **kwargs: Any
+    ) -> Any:
         """A Lightning step: the pipeline's in its place when ``pp_size > 1``, else ``step`` inside ``loss_parallel``,
-        its DTensor outputs made plain."""
+        its DTensor outputs made plain. Outside training the logits are whole and plain (``whole_logits``): an
+        evaluation or prediction step may decode (``generate()``), which mixes them with plain tensors."""
         args = self._with_split_batch(args)
         if self.pipelined:
             return pipeline_step(*args, **kwargs)
-        # Vocabulary-sharded logits: cross-entropy without gathering them (VocabParallelHead).
-        with self._set_up_engine().loss_context():
+        engine = self._set_up_engine()
+        # Training: vocabulary-sharded logits, so cross-entropy never gathers them (VocabParallelHead).
+        whole = nullcontext() if training else engine.whole_logits()
+        with engine.loss_context(), whole:
             return plain(step(*args, **kwargs))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_anomaly_detection_on_dtensors()
-        return self._step(super().training_step, self._pipeline_training_step, *args, **kwargs)
+        return self._step(super().training_step, self._pipeline_training_step, True, *args, **kwargs)
 
     def _refuse_anomaly_detection_on_dtensors(self) -> None:
         """``Trainer(detect_anomaly=True)`` (on from the loop's start, so first seen here) fails inside backward under
@@ -201,13 +207,13 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             )
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step(super().validation_step, self._pipeline_evaluation_step, *args, **kwargs)
+        return self._step(super().validation_step, self._pipeline_evaluation_step, False, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step(super().test_step, self._pipeline_evaluation_step, *args, **kwargs)
+        return self._step(super().test_step, self._pipeline_evaluation_step, False, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._step(super().predict_step, self._pipeline_prediction_step, *args, **kwargs)
+        return self._step(super().predict_step, self._pipeline_prediction_step, False, *args, **kwargs)
 
     def _pipeline_training_step(self, batch: Any, batch_idx: int = 0, *_: Any, **__: Any) -> Tensor:
         module = self.lightning_module
