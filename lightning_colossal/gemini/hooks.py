@@ -144,15 +144,13 @@ class ChunkHooks:
                 for parameter in submodule.parameters(recurse=False)
                 if id(parameter) in self.chunk_of
             )
-            # [Note: the end of a forward]: any module with chunks below it may be the one user code calls.
-            bracketed = any(id(parameter) in self.chunk_of for parameter in submodule.parameters())
-            if bracketed:
-                self._handles.append(submodule.register_forward_pre_hook(self._enter_forward))
-            if chunks:
+            if chunks:  # its hooks also bracket its forward ([Note: the end of a forward])
                 self._module_chunks[module_id] = chunks
                 self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
                 self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
-            if bracketed:  # registered last: it runs after the chunk hook above has released this module's chunks
+            elif any(id(parameter) in self.chunk_of for parameter in submodule.parameters()):
+                # A container with chunks below it: it may be the model user code calls.
+                self._handles.append(submodule.register_forward_pre_hook(self._enter_forward))
                 self._handles.append(submodule.register_forward_hook(self._leave_forward))
         for chunk in self.manager.chunks:
             for parameter in chunk.parameters:
@@ -172,6 +170,7 @@ class ChunkHooks:
     # model breaks its graph at each hooked module and its compiled pieces see the gathered parameters, as eager does.
     def _forward_pre_hook(self, module_id: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
+            self._enter_forward(module, args)
             self._before_forward(module_id)
 
         return torch.compiler.disable(hook)
@@ -179,6 +178,7 @@ class ChunkHooks:
     def _forward_hook(self, module_id: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self._after_forward(module_id, output)
+            self._leave_forward(module, args, output)  # after this module's chunks are released
 
         return torch.compiler.disable(hook)
 
@@ -234,12 +234,8 @@ class ChunkHooks:
         needed = self._module_chunks[module_id]
         position = self._trace("backward", module_id, needed)
         self._make_room(needed, position)
-        self._gather_missing(needed, position)
-        for index in sorted(needed):
-            chunk = self.manager.chunks[index]
-            self._gather(chunk)
-            if chunk.state is ChunkState.GATHERED and not chunk.frozen and not chunk.reduced_this_backward:
-                chunk.move(ChunkState.AWAITING_GRADIENTS)
+        # Reduced chunks too: the recomputation needs their weights, though their gradients are done.
+        self._gather_and_hold_for_backward(needed, position)
 
     def _trace(self, phase: str, module_id: int, needed: frozenset[int]) -> int:
         """Record the op in the warm-up step, or find it in the trace afterwards; returns its position."""
@@ -311,11 +307,15 @@ class ChunkHooks:
         # Chunks reduced already (their gradients were complete): nothing here needs their weights again.
         needed = frozenset(index for index in needed if not self.manager.chunks[index].reduced_this_backward)
         self._release_frozen(keep=needed)
+        self._gather_and_hold_for_backward(needed, position)
+
+    def _gather_and_hold_for_backward(self, needed: frozenset[int], position: int) -> None:
+        """Gather ``needed`` (in a round) and hold each trainable chunk until its gradients are reduced."""
         self._gather_missing(needed, position)
         for index in sorted(needed):
             chunk = self.manager.chunks[index]
             self._gather(chunk)
-            if chunk.state is ChunkState.GATHERED and not chunk.frozen:
+            if chunk.state is ChunkState.GATHERED and not chunk.frozen and not chunk.reduced_this_backward:
                 chunk.move(ChunkState.AWAITING_GRADIENTS)
 
     def _release_frozen(self, keep: frozenset[int]) -> None:

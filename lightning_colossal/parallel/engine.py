@@ -67,6 +67,7 @@ class HybridEngine:
         timeout: timedelta,
     ) -> None:
         self.root, self.model, self.policy, self.config, self.groups = root, model, policy, config, groups
+        self._vocabulary_heads: list[VocabParallelHead] | None = None  # found on first use by ``whole_logits``
         self.device = device
         self.context = ParallelContext(
             tp_group=groups.tp_group,
@@ -227,7 +228,11 @@ class HybridEngine:
     @contextmanager
     def whole_logits(self) -> Iterator[None]:
         """Inside: vocabulary-parallel heads return whole plain logits (``VocabParallelHead.whole_output``)."""
-        heads = [module for module in self.model.modules() if isinstance(module, VocabParallelHead)]
+        if self._vocabulary_heads is None:  # the model's layers are fixed once it is parallelised
+            self._vocabulary_heads = [
+                module for module in self.model.modules() if isinstance(module, VocabParallelHead)
+            ]
+        heads = self._vocabulary_heads
         for head in heads:
             head.whole_output = True
         try:

@@ -43,7 +43,7 @@ from lightning_colossal.config import (
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.pretrained import has_pretrained_weights, materialise_whole
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
-from lightning_colossal.strategies.averaging_callbacks import refuse_averaging_callbacks
+from lightning_colossal.strategies.callback_refusals import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
 from lightning_colossal.strategies.docstrings import complete_argument_docs
 from lightning_colossal.strategies.failures import FailureReportingMixin

@@ -29,8 +29,8 @@ import lightning.pytorch as pl
 from torch.optim import Optimizer
 
 from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine
-from lightning_colossal.strategies.averaging_callbacks import refuse_finetuning_callbacks
 from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.callback_refusals import refuse_finetuning_callbacks
 
 EngineT = TypeVar("EngineT", bound=StepEngine)
 

@@ -4,7 +4,7 @@ Where every rank holds every parameter whole (colossal_ddp, ZeRO-1/2, hybrid wit
 after ``fit`` is the exponential moving average of the weights after each step, computed here by hand from those
 weights. Where ranks hold pieces (Gemini, FSDP, hybrid tensor parallelism) the strategy refuses at setup with an
 error naming the strategies that work, instead of torch's shape or DTensor error from inside the callback
-(``strategies/averaging_callbacks.py``).
+(``strategies/callback_refusals.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Lightning's weight-averaging callbacks need whole parameters on every rank; refuse them where ranks hold pieces.
+"""Lightning callbacks an engine strategy cannot serve, refused at setup with the fix instead of failing mid-run.
+
+Weight-averaging callbacks need whole parameters on every rank (below); ``BaseFinetuning`` callbacks add parameters to
+an optimizer an engine took over at setup (``refuse_finetuning_callbacks``).
 
 [Note: weight averaging and sharded parameters]
 ``WeightAveraging`` / ``EMAWeightAveraging`` and ``StochasticWeightAveraging`` deep-copy the LightningModule before
