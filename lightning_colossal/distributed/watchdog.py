@@ -159,6 +159,17 @@ class HeartbeatWatchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 1.0)
+        if (
+            wait_for_failure > 0
+            and self.failure is None
+            and not self._peer_view.finished
+            and not self._thread.is_alive()
+        ):
+            # The thread's round may have spent the wait on a store request to a dead rank 0 (up to a second each on
+            # a loaded machine) before looking at the peer's pid; look once more here, without the store.
+            lost = self._judge_peer("", time.monotonic(), store_answers=False)
+            if lost is not None:
+                self._fail(lost)
         if clean and self.failure is None:
             self._request(lambda store: store.set(self._key(self.rank), STOPPED))
         return self.failure

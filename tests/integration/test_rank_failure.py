@@ -422,3 +422,43 @@ def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gon
     finally:
         peer.kill()
         watchdog.stop()
+
+
+class _HangingStore(_BreakableStore):
+    """A store whose requests hang for a while once broken, as a TCPStore request to a dead host can."""
+
+    def __getattr__(self, name: str) -> Any:
+        operation = getattr(self.store, name)
+
+        def call(*arguments: Any) -> Any:
+            if self.broken:
+                time.sleep(0.8)
+                raise RuntimeError("Connection reset by peer")
+            return operation(*arguments)
+
+        return call
+
+
+def test_a_failing_rank_names_the_dead_peer_even_when_the_store_requests_outlast_its_wait():
+    # Rank 1's collective failed because rank 0 (the store's host) died. Teardown gives the watchdog a short wait to
+    # name it, but the watchdog's round is stuck in a store request for longer than that: stop() must still look at
+    # the peer's pid itself instead of letting the error go out without the dead rank's name.
+    store, reports = _HangingStore(), []
+    watchdog, _ = _watchdogs(store, timeout=60, reports=reports)
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.set("unit/rank1", f"7 5 {os.uname().nodename} {peer.pid}")
+        watchdog.start()
+        deadline = time.monotonic() + 5
+        while watchdog._peer_view.counter != "7" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watchdog._peer_view.counter == "7"
+        store.broken = True
+        time.sleep(0.1)  # the thread is now inside a hanging request
+        peer.kill()
+        peer.wait()
+        report = watchdog.stop(clean=False, wait_for_failure=0.1)
+        assert report is not None and "rank 1 stopped responding (its process (pid" in report, (report, reports)
+    finally:
+        peer.kill()
+        watchdog.stop()
