@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerStatus
 
-from lightning_colossal.distributed import collectives, in_flight
+from lightning_colossal.distributed import collectives, group_cache, in_flight
 from lightning_colossal.distributed.watchdog import HeartbeatWatchdog, next_generation
 from lightning_colossal.strategies._lightning_private import _ChildProcessObserver
 
@@ -83,6 +83,7 @@ class FailureReportingMixin(ParallelStrategy):
     def _finish_watchdog(self) -> None:
         """Stop the watchdog; after a failed run, first let it name a lost peer in the error (teardown calls this)."""
         failure = self._failure_being_torn_down()
+        group_cache.run_ended(cleanly=failure is None)
         if failure is None:
             self._stop_watchdog(clean=True)
         else:

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.config import StartMethod
-from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives
+from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives, group_cache
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.strategies._lightning_private import (
     _get_default_process_group_backend_for_device,
@@ -115,6 +115,9 @@ class ProcessGroupMixin(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        # Joins gloo's worker threads before the interpreter finalises, after a clean run (group_cache.py
+        # [Note: destroy the groups before the interpreter exits]).
+        group_cache.destroy_groups_at_exit()
         self._validate_world_size()
         self._parallel_dims = self._build_parallel_dims()
         self._device_mesh = build_device_mesh(self._parallel_dims, self.root_device, self._timeout)
