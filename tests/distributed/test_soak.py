@@ -7,8 +7,8 @@ same process. A callback samples each rank's resident memory, open file descript
 What must hold, per rank:
 
 - **resident memory is flat** after warm-up (the first fit allocates the engine, the allocator's arenas and
-  Lightning's imports): the least-squares slope over the later fits' steps stays below ``SLOPE_BOUND`` bytes per
-  step, a fraction of one leaked copy of the model per step (``MODEL_BYTES``), and the growth from the start of the
+  Lightning's imports; the second still settles them): the least-squares slope over the last fit's steps stays
+  below ``SLOPE_BOUND`` bytes per step, a fraction of one leaked copy of the model per step (``MODEL_BYTES``), and the growth from the start of the
   second fit to the end of the last stays below ``GROWTH_BOUND``;
 - **no descriptor or thread growth**: after every fit after the first, the process holds the same open file
   descriptors and threads as after the one before (checkpoint writers close their files, the heartbeat watchdog's
@@ -147,8 +147,11 @@ def test_long_run_with_resumes_keeps_memory_descriptors_and_threads_flat(rank_po
             for fit in range(SEGMENTS)
         ]
         assert [len(points) for points in fits] == [steps_per_fit] * SEGMENTS, (rank, [len(p) for p in fits])
-        # Within a fit, after its first epoch (checkpoint loading, first allocations): the per-step trend.
-        slopes = [_slope(points[record["steps_per_epoch"][0] :]) for points in fits[1:]]
+        # The per-step trend in the last fit, after its first epoch (checkpoint loading, first allocations). Not in
+        # the second fit: there the allocator is still settling (resident memory wanders in glibc's 1 MiB steps and
+        # drifted by up to 7 MiB over colossal_fsdp's second fit, then stayed flat through the third, measured), which
+        # once pushed its slope past the bound in CI. A leak grows every fit by the same amount per step.
+        slopes = [_slope(fits[-1][record["steps_per_epoch"][0] :])]
         # Across fits: what the second resume kept that the first did not.
         growth = fits[-1][-1][1] - fits[-2][-1][1]
         print(
