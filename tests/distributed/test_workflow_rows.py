@@ -1,5 +1,5 @@
 """Everyday Trainer workflows under every strategy (issue 12): saving after evaluation, the model summary, two
-optimizers, DDP's buffer warning, and ``torch.compile`` under Gemini.
+optimizers, DDP's buffer warning, and ``torch.compile`` under Gemini and hybrid tensor parallelism.
 
 Bodies run on both ranks of the 2-rank pool and catch expected errors themselves (see tests/harness/rank_pool.py).
 """
@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelSummary
 from torch.utils.data import DataLoader
 
 from lightning_colossal import HybridParallelStrategy
+from tests.distributed import hybrid_bodies
 from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec, build_strategy
 from tests.distributed.oracle import RegressionModule, float_state, make_dataset, new_module, quiet_trainer
 
@@ -265,3 +266,47 @@ def test_torch_compile_under_gemini_matches_eager(rank_pools, world_size):
     for rank in range(world_size):
         assert set(compiled[rank]) == set(eager[rank])
         torch.testing.assert_close(compiled[rank], eager[rank], rtol=1e-6, atol=1e-7)
+
+
+class CompiledTinyGPTModule(hybrid_bodies.TinyGPTModule):
+    """The hybrid tests' GPT, compiled in ``configure_model`` as users do (before the strategy splits it)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
+            self.model = torch.compile(self.model, backend="aot_eager")
+
+
+def hybrid_compile_body() -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    seed_everything(hybrid_bodies.MODEL_SEED, verbose=False)
+    module = CompiledTinyGPTModule()
+    strategy = HybridParallelStrategy(tp_size=2)
+    trainer = quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=3)
+    trainer.fit(module)
+    return {
+        # The compiled wrapper's `_orig_mod.` prefix is the only difference in the names.
+        "weights": {
+            name.replace("_orig_mod.", ""): value
+            for name, value in hybrid_bodies.full_weights(module, strategy).items()
+        },
+        "losses": module.step_losses,
+        "compiled_frames": counters["frames"]["ok"],
+        # This rank's pieces: fewer elements than the whole model when tensor parallelism split it.
+        "local_elements": sum(parameter.numel() for parameter in module.parameters()),
+    }
+
+
+def test_torch_compile_under_hybrid_tensor_parallelism_trains_like_single_process(rank_pool_2):
+    expected = hybrid_bodies.oracle(1, 3)
+    whole_elements = sum(value.numel() for value in expected["weights"].values())
+    for result in rank_pool_2.run(hybrid_compile_body, timeout=180):
+        assert result["compiled_frames"] > 0, "dynamo compiled nothing"
+        assert result["local_elements"] < 0.6 * whole_elements, (result["local_elements"], whole_elements)
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert set(result["weights"]) == set(expected["weights"])
+        for name, value in expected["weights"].items():
+            torch.testing.assert_close(result["weights"][name], value, atol=1e-4, rtol=1e-4, msg=name)
