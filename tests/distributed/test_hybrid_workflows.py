@@ -7,6 +7,8 @@
 - After ``fit``/``validate``/``test``/``predict`` the module keeps its parallel form (docs/hybrid.md, "What you get
   back"), holds no ``DTensor``, and ``strategy.full_model_state_dict()`` gives the whole model's weights.
 - A second ``fit`` of the same Trainer under ZeRO replaces the first fit's ZeRO engine and its gradient hooks.
+- Everyday Trainer features: anomaly detection, barebones, the profiler, validation intervals, a
+  ``LightningDataModule`` with ``overfit_batches``, and ``ModelCheckpoint(monitor=)`` with ``EarlyStopping``.
 
 One epoch is 4 optimizer steps (32 samples, 8 per step at data-parallel size 1).
 """
@@ -329,3 +331,93 @@ def test_anomaly_detection_on_tensor_parallel_pieces_is_refused_with_the_fix(ran
         assert result["steps_run"] == 0, result
         assert "detect_anomaly=True) cannot run under tensor parallelism" in result["error"]
         assert "tp_size=1" in result["error"] and "on_nonfinite='raise'" in result["error"]
+
+
+# ------------------------------------------------------------------------------ data and checkpoint-selection features
+def data_and_selection_body(strategy_kwargs: dict[str, Any], feature: str, directory: str) -> dict[str, Any]:
+    """Fit the tiny GPT from a ``LightningDataModule`` with ``overfit_batches``, or with ``ModelCheckpoint(monitor=)``,
+    ``EarlyStopping`` and ``limit_train_batches``; records each training batch and every synced validation loss."""
+    from lightning.pytorch import Callback, LightningDataModule
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from lightning_colossal import HybridParallelStrategy
+
+    class TokenData(LightningDataModule):
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(bodies.token_dataset(), batch_size=4)
+
+        def val_dataloader(self) -> DataLoader:
+            return DataLoader(bodies.token_dataset(), batch_size=4)
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.batches: list[tuple[int, float]] = []
+            self.validation_losses: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_index: int) -> None:
+            self.batches.append((trainer.current_epoch, float(batch[0].float().sum())))
+
+        def on_validation_end(self, trainer: Any, module: Any) -> None:
+            self.validation_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = bodies.TinyGPTModule()
+    record = Record()
+    checkpoint = ModelCheckpoint(dirpath=directory, monitor="val_loss", save_top_k=2, filename="{step}")
+    settings: dict[str, Any] = {
+        "overfit": {"overfit_batches": 2, "max_epochs": 2},
+        "selection": {
+            "max_epochs": 1,
+            "limit_train_batches": 6,
+            "val_check_interval": 2,
+            "limit_val_batches": 2,
+            "enable_checkpointing": True,
+            "callbacks": [record, checkpoint, EarlyStopping(monitor="val_loss", patience=100)],
+        },
+    }[feature]
+    settings.setdefault("callbacks", [record])
+    trainer = quiet_trainer(strategy=HybridParallelStrategy(**strategy_kwargs), devices=2, **settings)
+    trainer.fit(module, datamodule=TokenData())
+    return {
+        "steps": trainer.global_step,
+        "losses": module.step_losses,
+        "batches": record.batches,
+        "validation_losses": record.validation_losses,
+        "best": sorted((float(score), os.path.basename(path)) for path, score in checkpoint.best_k_models.items()),
+        "files": sorted(os.listdir(directory)) if os.path.isdir(directory) else [],
+    }
+
+
+def test_overfit_batches_from_a_datamodule_repeats_the_first_batches_on_every_tensor_parallel_rank(
+    rank_pool_2, tmp_path
+):
+    results = rank_pool_2.run(data_and_selection_body, {"tp_size": 2}, "overfit", str(tmp_path), timeout=120)
+    inputs, targets = bodies.token_dataset().tensors
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    model = bodies.build_model("gpt")
+    with torch.no_grad():
+        first_loss = float(bodies.language_model_loss(bodies.logits_of(model, inputs[:4]), targets[:4]))
+    first_two = [float(inputs[:4].float().sum()), float(inputs[4:8].float().sum())]
+    for result in results:
+        assert result["steps"] == 4
+        # overfit_batches turns the shuffled sampler sequential: batches 0 and 1, again in the second epoch.
+        assert result["batches"] == [(0, first_two[0]), (0, first_two[1]), (1, first_two[0]), (1, first_two[1])]
+        assert result["losses"][0] == pytest.approx(first_loss, rel=1e-5)
+        assert result["losses"] == results[0]["losses"]
+
+
+def test_model_checkpoint_keeps_the_best_and_early_stopping_runs_under_a_pipeline(rank_pool_2, tmp_path):
+    expected = bodies.oracle(1, 6)
+    results = rank_pool_2.run(
+        data_and_selection_body, {"pp_size": 2, "num_microbatches": 2}, "selection", str(tmp_path), timeout=120
+    )
+    for result in results:
+        assert result["steps"] == 6  # limit_train_batches=6, one epoch
+        assert result["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert len(result["validation_losses"]) == 3 and result["validation_losses"] == results[0]["validation_losses"]
+        best_two = sorted(result["validation_losses"])[:2]
+        assert [score for score, _ in result["best"]] == pytest.approx(best_two, rel=1e-6)
+        assert {name for _, name in result["best"]} <= set(result["files"])
+        assert all(
+            any(name.startswith(kept.removesuffix(".ckpt")) for _, kept in result["best"]) for name in result["files"]
+        ), result["files"]
