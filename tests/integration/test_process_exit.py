@@ -63,7 +63,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("strategy", ["colossal_ddp", "colossal_gemini"])
+# One strategy: the handler is registered and told how the run ended by the base strategy every mode shares
+# (strategies/processes.py, strategies/failures.py). Gemini, because its teardown does the most after a failure.
+@pytest.mark.parametrize("strategy", ["colossal_gemini"])
 def test_the_process_groups_are_destroyed_at_exit_after_a_clean_run_only(tmp_path, strategy):
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
