@@ -59,7 +59,12 @@ def parameter_holding_children(module: nn.Module) -> list[nn.Module]:
             f"Parameters {own} are registered directly on {type(module).__name__}; colossal_fsdp shards submodules."
             " Move them into a submodule (e.g. `self.head = nn.Linear(...)` or an `nn.ParameterDict`)."
         )
-    return [child for child in module.children() if any(True for _ in child.parameters())]
+    children = [child for child in module.children() if any(True for _ in child.parameters())]
+    # A child that is also registered inside another child (`self.backbone = self.model.encoder`, as
+    # BackboneFinetuning asks for) is sharded with the child that contains it; sharding it again as a root of its own
+    # fails inside torch ("Cannot concatenate overlapping meshes").
+    inside_another = {id(descendant) for child in children for descendant in child.modules() if descendant is not child}
+    return [child for child in children if id(child) not in inside_another]
 
 
 def shard_model(

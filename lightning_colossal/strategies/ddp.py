@@ -4,6 +4,16 @@ Every rank holds the full model and optimizer, so gradients after DDP's all-redu
 by norm or value is exact locally, and checkpoints write full tensors that DCP spreads over the ranks. Gradient
 accumulation communicates only on the last micro-batch: Lightning wraps the other micro-batches in
 ``block_backward_sync()``, which enters DDP's ``no_sync()``.
+
+[Note: parameters that become trainable after wrapping]
+torch DDP registers its gradient hooks on the parameters that require gradients when it wraps the model, and never
+again. A parameter unfrozen later (``BackboneFinetuning`` / ``BaseFinetuning`` unfreezing a backbone, or a user's own
+``requires_grad_(True)`` mid-run) gets a gradient on each rank that nobody averages, so the ranks' copies drift apart
+without an error (as under Lightning's ``ddp``). After every backward that synchronises gradients, the strategy
+averages those parameters' gradients itself: one all-reduce of their flattened gradients, plus one count per
+parameter of the ranks that produced a gradient, so a parameter no rank reached keeps ``grad=None`` as in one process.
+The set is found each time from ``requires_grad`` (the same on every rank), so freezing and unfreezing in any order
+keeps every rank issuing the same collective. Gradient compression does not apply to them.
 """
 
 from __future__ import annotations
@@ -15,11 +25,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.overrides.distributed import prepare_for_backward
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_colossal.config import DDPConfig, GradientCompression
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.compression import compressed_all_reduce_hook
+from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.strategies._lightning_private import (
     _ForwardRedirection,
     _optimizers_to_device,
@@ -58,6 +71,9 @@ class ColossalDDPStrategy(ColossalStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self._forward_redirection = _ManualOptimizationAwareRedirection()
+        self._parameters_ddp_averages: set[int] = set()
+        self._parameters_ddp_ignores: set[int] = set()
+        self._said_late_parameters = False
         if broadcast_buffers is not None:
             if forward_sync_buffers is not None:
                 raise ValueError(
@@ -119,6 +135,12 @@ class ColossalDDPStrategy(ColossalStrategy):
                 find_unused_parameters=config.find_unused_parameters,
                 **buffer_sync,
             )
+        # What DDP's reducer averages, and what it was told to leave rank-local ([Note: parameters that become
+        # trainable after wrapping]).
+        self._parameters_ddp_averages = {id(parameter) for parameter in wrapped.parameters() if parameter.requires_grad}
+        self._parameters_ddp_ignores = {
+            id(parameter) for name, parameter in module.named_parameters() if name in wrapped.parameters_to_ignore
+        }
         if config.gradient_compression is not None:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.gradient_compression]
             # state=None: the hook all-reduces over DDP's own process group (the data-parallel ranks).
@@ -131,6 +153,54 @@ class ColossalDDPStrategy(ColossalStrategy):
             assert self.lightning_module is not None
             if not self.lightning_module.automatic_optimization:
                 prepare_for_backward(self.model, closure_loss)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        model = self.model
+        if isinstance(model, DistributedDataParallel) and model.require_backward_grad_sync:
+            self._average_gradients_ddp_never_registered(model)
+
+    def _average_gradients_ddp_never_registered(self, model: DistributedDataParallel) -> None:
+        """Average the gradients of parameters unfrozen after wrapping ([Note: parameters that become trainable after
+        wrapping]); nothing to do, and no collective, while none is."""
+        late = [
+            parameter
+            for parameter in model.parameters()
+            if parameter.requires_grad
+            and id(parameter) not in self._parameters_ddp_averages
+            and id(parameter) not in self._parameters_ddp_ignores
+        ]
+        if not late:
+            return
+        if not self._said_late_parameters:
+            self._said_late_parameters = True
+            rank_zero_info(
+                f"colossal_ddp: {len(late)} parameter(s) became trainable after DDP wrapped the model (e.g."
+                " BackboneFinetuning); their gradients are averaged separately after each synchronising backward."
+            )
+        gradients = [parameter.grad for parameter in late]
+        reference = next((gradient for gradient in gradients if gradient is not None), late[0])
+        counts = torch.tensor([float(gradient is not None) for gradient in gradients], device=reference.device)
+        pieces = [
+            (gradient if gradient is not None else torch.zeros_like(parameter)).reshape(-1).to(reference.dtype)
+            for parameter, gradient in zip(late, gradients, strict=True)
+        ]
+        flat = torch.cat([*pieces, counts.to(reference.dtype)])
+        with Activity("averaging the gradients of parameters unfrozen after DDP wrapped the model"):
+            collectives.all_reduce(flat, op="sum", group=model.process_group)
+        flat[: -len(late)].div_(collectives.world_size(model.process_group))
+        reached = flat[-len(late) :].tolist()
+        offset = 0
+        for parameter, gradient, ranks_with_gradient in zip(late, gradients, reached, strict=True):
+            size = parameter.numel()
+            averaged = flat[offset : offset + size].view_as(parameter)
+            offset += size
+            if ranks_with_gradient == 0:
+                continue  # no rank reached it: it keeps grad=None, as in one process
+            if gradient is None:
+                parameter.grad = averaged.to(parameter.dtype).clone()
+            else:
+                gradient.copy_(averaged)
 
     def on_exception(self, exception: BaseException) -> None:
         message = str(exception)

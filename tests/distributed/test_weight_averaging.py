@@ -4,7 +4,8 @@ Where every rank holds every parameter whole (colossal_ddp, ZeRO-1/2, hybrid wit
 after ``fit`` is the exponential moving average of the weights after each step, computed here by hand from those
 weights. Where ranks hold pieces (Gemini, FSDP, hybrid tensor parallelism) the strategy refuses at setup with an
 error naming the strategies that work, instead of torch's shape or DTensor error from inside the callback
-(``strategies/callback_refusals.py``).
+(``strategies/callback_refusals.py``). ``BackboneFinetuning`` is refused by the engines that own the optimizer and
+trains like one process under colossal_ddp and colossal_fsdp.
 """
 
 from __future__ import annotations
@@ -119,3 +120,40 @@ def test_engines_refuse_callbacks_that_add_parameters_to_the_optimizer_mid_run(r
     for message in rank_pool_2.run(finetuning_body, spec, timeout=120):
         assert message.startswith("ValueError: BackboneFinetuning adds parameters to the optimizer"), message
         assert "in its own param group with a lower learning rate" in message, message
+
+
+def backbone_unfrozen_body(spec: StrategySpec, batch_size: int) -> dict[str, Any]:
+    """BackboneFinetuning with plain SGD (a wrong gradient scale shows): the backbone is frozen when the strategy wraps
+    the model and joins the optimizer in epoch 1. Returns the whole weights and the backbone's weights at unfreezing."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from tests.distributed.oracle import RegressionModule
+
+    class SGDRegression(RegressionModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    new_module()  # the oracle's seed, so every world size starts from the same weights
+    module = SGDRegression(batch_size=batch_size)
+    module.backbone = module.model.input  # BackboneFinetuning freezes `backbone`, then adds it to the optimizer
+    initial_backbone = {name: value.clone() for name, value in module.backbone.state_dict().items()}
+    trainer = quiet_trainer(
+        strategy=_strategy(spec),
+        devices=torch.distributed.get_world_size(),
+        max_epochs=2,
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05)],
+    )
+    trainer.fit(module)
+    return {"weights": float_state(module), "initial_backbone": initial_backbone}
+
+
+def test_a_backbone_unfrozen_mid_run_trains_like_one_process(rank_pools):
+    # torch DDP hooks only the parameters trainable when it wraps the model: without the strategy averaging the late
+    # ones, each rank trained its own backbone (ddp.py [Note: parameters that become trainable after wrapping]).
+    # FSDP failed at setup on the `backbone` alias of a submodule (fsdp/wrap.py, parameter_holding_children).
+    reference = rank_pools.get(1).run(backbone_unfrozen_body, DDP, 8, timeout=120)[0]
+    assert not torch.equal(reference["weights"]["model.input.weight"], reference["initial_backbone"]["weight"])
+    for spec in (DDP, FSDP):
+        for result in rank_pools.get(2).run(backbone_unfrozen_body, spec, 4, timeout=120):
+            for name, value in reference["weights"].items():
+                torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6, msg=f"{spec}: {name}")
