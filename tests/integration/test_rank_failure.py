@@ -8,6 +8,7 @@ The unit tests at the end drive the watchdog with an in-process store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,8 @@ SCRIPT = (
     textwrap.dedent(
         """
     import os, signal, sys, time
-    from datetime import timedelta
+    from collections.abc import Iterator
+from datetime import timedelta
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning_colossal import (
@@ -376,11 +379,13 @@ def test_watchdog_names_a_dead_process_on_this_host_without_waiting_for_the_time
 
 
 class _BreakableStore:
-    """A store that stops answering when ``broken`` is set, as the TCPStore does when rank 0's process is gone."""
+    """A store that stops answering when ``broken`` is set, as the TCPStore does when rank 0's process is gone; after
+    ``hang_seconds`` first, as a TCPStore request to a dead host can take."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang_seconds: float = 0.0) -> None:
         self.store = HashStore()
         self.broken = False
+        self.hang_seconds = hang_seconds
 
     def clone(self) -> _BreakableStore:
         return self  # the watchdog talks to its own clone of the store: that one must break too
@@ -390,16 +395,16 @@ class _BreakableStore:
 
         def call(*arguments: Any) -> Any:
             if self.broken:
+                time.sleep(self.hang_seconds)
                 raise RuntimeError("Connection reset by peer")
             return operation(*arguments)
 
         return call
 
 
-def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gone():
-    # Rank 0 hosts the store: when it dies, the store stops answering at the same moment. The last heartbeat seen
-    # still says where rank 0 ran, so its death is named within an interval, not after the 60 s timeout.
-    store, reports = _BreakableStore(), []
+@contextlib.contextmanager
+def _watching_a_live_peer(store: _BreakableStore, reports: list[str]) -> Iterator[tuple[HeartbeatWatchdog, Any]]:
+    """Rank 0's watchdog, having seen one heartbeat of rank 1, a live process on this host (killed by the test)."""
     watchdog, _ = _watchdogs(store, timeout=60, reports=reports)
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -409,6 +414,17 @@ def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gon
         while watchdog._peer_view.counter != "7" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert watchdog._peer_view.counter == "7" and reports == []
+        yield watchdog, peer
+    finally:
+        peer.kill()
+        watchdog.stop()
+
+
+def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gone():
+    # Rank 0 hosts the store: when it dies, the store stops answering at the same moment. The last heartbeat seen
+    # still says where rank 0 ran, so its death is named within an interval, not after the 60 s timeout.
+    store, reports = _BreakableStore(), []
+    with _watching_a_live_peer(store, reports) as (_, peer):
         store.broken = True
         time.sleep(0.3)  # several intervals: every check from now on finds the store silent
         assert reports == []
@@ -419,46 +435,17 @@ def test_watchdog_names_a_dead_peer_on_this_host_when_the_store_it_hosted_is_gon
             time.sleep(0.05)
         assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
         assert time.monotonic() - started < 5, "named within a few intervals, not after the 60 s timeout"
-    finally:
-        peer.kill()
-        watchdog.stop()
-
-
-class _HangingStore(_BreakableStore):
-    """A store whose requests hang for a while once broken, as a TCPStore request to a dead host can."""
-
-    def __getattr__(self, name: str) -> Any:
-        operation = getattr(self.store, name)
-
-        def call(*arguments: Any) -> Any:
-            if self.broken:
-                time.sleep(0.8)
-                raise RuntimeError("Connection reset by peer")
-            return operation(*arguments)
-
-        return call
 
 
 def test_a_failing_rank_names_the_dead_peer_even_when_the_store_requests_outlast_its_wait():
     # Rank 1's collective failed because rank 0 (the store's host) died. Teardown gives the watchdog a short wait to
     # name it, but the watchdog's round is stuck in a store request for longer than that: stop() must still look at
     # the peer's pid itself instead of letting the error go out without the dead rank's name.
-    store, reports = _HangingStore(), []
-    watchdog, _ = _watchdogs(store, timeout=60, reports=reports)
-    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        store.set("unit/rank1", f"7 5 {os.uname().nodename} {peer.pid}")
-        watchdog.start()
-        deadline = time.monotonic() + 5
-        while watchdog._peer_view.counter != "7" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert watchdog._peer_view.counter == "7"
+    store, reports = _BreakableStore(hang_seconds=0.8), []
+    with _watching_a_live_peer(store, reports) as (watchdog, peer):
         store.broken = True
         time.sleep(0.1)  # the thread is now inside a hanging request
         peer.kill()
         peer.wait()
         report = watchdog.stop(clean=False, wait_for_failure=0.1)
         assert report is not None and "rank 1 stopped responding (its process (pid" in report, (report, reports)
-    finally:
-        peer.kill()
-        watchdog.stop()
