@@ -150,7 +150,7 @@ def test_long_run_with_resumes_keeps_memory_descriptors_and_threads_flat(rank_po
         # The per-step trend in the last fit, after its first epoch (checkpoint loading, first allocations). Not in
         # the second fit: there the allocator is still settling (resident memory wanders in glibc's 1 MiB steps and
         # drifted by up to 7 MiB over colossal_fsdp's second fit, then stayed flat through the third, measured), which
-        # once pushed its slope past the bound in CI. A leak grows every fit by the same amount per step.
+        # once pushed its slope past the bound in a full run of the suite. A leak grows every fit by the same amount per step.
         slopes = [_slope(fits[-1][record["steps_per_epoch"][0] :])]
         # Across fits: what the second resume kept that the first did not.
         growth = fits[-1][-1][1] - fits[-2][-1][1]
