@@ -149,8 +149,8 @@ def test_long_run_with_resumes_keeps_memory_descriptors_and_threads_flat(rank_po
         assert [len(points) for points in fits] == [steps_per_fit] * SEGMENTS, (rank, [len(p) for p in fits])
         # The per-step trend in the last fit, after its first epoch (checkpoint loading, first allocations). Not in
         # the second fit: there the allocator is still settling (resident memory wanders in glibc's 1 MiB steps and
-        # drifted by up to 7 MiB over colossal_fsdp's second fit, then stayed flat through the third, measured), which
-        # once pushed its slope past the bound in a full run of the suite. A leak grows every fit by the same amount per step.
+        # drifted by up to 7 MiB over colossal_fsdp's second fit, then stayed flat through the third, measured),
+        # which once pushed its slope past the bound in a full run of the suite. A leak grows every fit alike.
         slopes = [_slope(fits[-1][record["steps_per_epoch"][0] :])]
         # Across fits: what the second resume kept that the first did not.
         growth = fits[-1][-1][1] - fits[-2][-1][1]
