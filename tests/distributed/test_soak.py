@@ -8,8 +8,8 @@ What must hold, per rank:
 
 - **resident memory is flat** after warm-up (the first fit allocates the engine, the allocator's arenas and
   Lightning's imports; the second still settles them): the least-squares slope over the last fit's steps stays
-  below ``SLOPE_BOUND`` bytes per step, a fraction of one leaked copy of the model per step (``MODEL_BYTES``), and the growth from the start of the
-  second fit to the end of the last stays below ``GROWTH_BOUND``;
+  below ``SLOPE_BOUND`` bytes per step, a fraction of one leaked copy of the model per step (``MODEL_BYTES``), and
+  the growth from the start of the second fit to the end of the last stays below ``GROWTH_BOUND``;
 - **no descriptor or thread growth**: after every fit after the first, the process holds the same open file
   descriptors and threads as after the one before (checkpoint writers close their files, the heartbeat watchdog's
   thread ends with its fit, and process groups are made once per process: ``distributed/group_cache.py``).
