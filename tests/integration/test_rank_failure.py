@@ -37,8 +37,7 @@ SCRIPT = (
     textwrap.dedent(
         """
     import os, signal, sys, time
-    from collections.abc import Iterator
-from datetime import timedelta
+    from datetime import timedelta
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning_colossal import (
