@@ -12,20 +12,26 @@ purpose tag where a second group over the same ranks is wanted), and every later
 to one default process group: when that is destroyed and a new one initialised, the cache starts empty; a cached
 group someone destroyed is made again.
 
-[Note: destroy the groups before the interpreter exits]
-A process that leaves its groups alive can abort after a run that succeeded: gloo's worker thread drops the last
-collective's work object (which holds references to Python tensors) a moment after the main thread's ``wait()``
-returns. When that moment falls inside the interpreter's finalisation, the thread's attempt to take the GIL ends it
-with ``pthread_exit``, whose forced unwinding through torch's C++ frames calls ``std::terminate``: "terminate called
-without an active exception", exit code 134 (seen once in 27 runs of the demo on 2 CPU ranks, in Lightning's last
-broadcast). Destroying every group from an ``atexit`` handler joins those threads while the interpreter is whole.
-Only when the last run in the process ended cleanly: after a failure a worker thread may be blocked in a collective
-with a dead peer, and joining it would hold the exit until the collective timeout.
+[Note: let gloo's workers finish before the interpreter exits]
+A process can abort after a run that succeeded: "terminate called without an active exception", exit code 134
+(seen in about 1 of 27 runs of the demo on 2 CPU ranks). Two core dumps show the same thread: gloo's worker
+(``pt_gloo_runloop``) dropping a finished broadcast's work object, whose tensors hold Python objects, so it needs the
+GIL. The main thread had meanwhile gone on into the interpreter's finalisation, where a thread that takes the GIL is
+ended with ``pthread_exit``, and that unwinding through torch's C++ frames calls ``std::terminate``.
+
+``destroy_process_group`` does not prevent it: it only unregisters the groups, and their worker threads live as long
+as any object refers to the group (device meshes, DTensors, the strategy). So an ``atexit`` handler, which runs
+while the interpreter is still whole, first lets the workers finish: it sleeps in short steps, which releases the
+GIL to a worker waiting for it, until every ``pt_gloo_runloop`` thread has been seen asleep three times in a row
+(at most a second; Linux only, elsewhere a fixed 50 ms). Then, only when the process's last run ended cleanly, it
+destroys the groups (after a failure a group may still have work waiting on a dead peer).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
+import time
 from collections.abc import Callable, Hashable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -91,14 +97,15 @@ def set_group_timeout(group: Any, timeout: timedelta) -> None:
 
 
 def destroy_groups_at_exit() -> None:
-    """Destroy every process group when the interpreter exits, if the last run ended cleanly (see the Note above).
+    """At interpreter exit, let gloo's workers finish and, if the last run ended cleanly, destroy every process group
+    (see the Note above).
 
     Call when a run starts (it counts as not ended cleanly until ``run_ended`` says so); registers the handler once.
     """
     global _destroy_registered, _last_run_ended_cleanly
     _last_run_ended_cleanly = False
     if not _destroy_registered:
-        atexit.register(_destroy_groups_if_clean)
+        atexit.register(_leave_the_groups_quiet)
         _destroy_registered = True
 
 
@@ -108,7 +115,43 @@ def run_ended(cleanly: bool) -> None:
     _last_run_ended_cleanly = cleanly
 
 
-def _destroy_groups_if_clean() -> None:
+def _leave_the_groups_quiet() -> None:
+    wait_for_idle_gloo_workers()
     if _last_run_ended_cleanly and dist.is_available() and dist.is_initialized():
         _cached.clear()
         dist.destroy_process_group()
+
+
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+_TASKS = "/proc/self/task"
+
+
+def wait_for_idle_gloo_workers(timeout: float = 1.0, poll: float = 0.01, quiet_polls: int = 3) -> bool:
+    """Sleep (releasing the GIL) until every gloo worker thread of this process has been seen asleep ``quiet_polls``
+    times in a row, or ``timeout`` seconds passed; whether they went quiet. Without ``/proc``: one 50 ms sleep."""
+    if not os.path.isdir(_TASKS):
+        time.sleep(0.05)
+        return True
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while time.monotonic() < deadline:
+        time.sleep(poll)
+        quiet = 0 if _a_gloo_worker_is_running() else quiet + 1
+        if quiet >= quiet_polls:
+            return True
+    return False
+
+
+def _a_gloo_worker_is_running() -> bool:
+    for task in os.listdir(_TASKS):
+        try:
+            with open(f"{_TASKS}/{task}/comm") as handle:
+                if handle.read().strip() != _GLOO_WORKER_THREAD:
+                    continue
+            with open(f"{_TASKS}/{task}/stat") as handle:
+                state = handle.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state == "R":
+            return True
+    return False

@@ -115,8 +115,8 @@ class ProcessGroupMixin(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        # Joins gloo's worker threads before the interpreter finalises, after a clean run (group_cache.py
-        # [Note: destroy the groups before the interpreter exits]).
+        # At exit, lets gloo's worker threads finish before the interpreter finalises (group_cache.py
+        # [Note: let gloo's workers finish before the interpreter exits]).
         group_cache.destroy_groups_at_exit()
         self._validate_world_size()
         self._parallel_dims = self._build_parallel_dims()
