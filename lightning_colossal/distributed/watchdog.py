@@ -94,6 +94,9 @@ class HeartbeatWatchdog:
         prefix: key prefix, unique per run in the store's lifetime (see ``next_generation``).
         interval: seconds between heartbeats; by default a tenth of ``timeout``, at most 1 s.
         on_failure: called with the message instead of printing it and ending the process (tests).
+        peer_identity: the watched peer's ``(host, pid)``, when known before its first heartbeat arrives (the
+            strategy exchanges them at start-up): a peer on this host that dies before this rank has read any
+            heartbeat of it, rank 0 killed in the first steps taking the store with it, is still named at once.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class HeartbeatWatchdog:
         prefix: str = "lightning_colossal/watchdog",
         interval: float | None = None,
         on_failure: Callable[[str], None] | None = None,
+        peer_identity: tuple[str, int] | None = None,
     ) -> None:
         if timeout.total_seconds() <= 0:
             raise ValueError(f"heartbeat_timeout={timeout} must be positive, or None to turn the watchdog off.")
@@ -122,6 +126,8 @@ class HeartbeatWatchdog:
         self._host = socket.gethostname()
         self._counter = 0
         self._peer_view = _PeerView(changed_at=time.monotonic())
+        if peer_identity is not None:
+            self._peer_view.host, self._peer_view.pid = peer_identity
         self._last_store_contact = time.monotonic()
         self._stop = threading.Event()
         self._stopped = False
@@ -159,14 +165,10 @@ class HeartbeatWatchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 1.0)
-        if (
-            wait_for_failure > 0
-            and self.failure is None
-            and not self._peer_view.finished
-            and not self._thread.is_alive()
-        ):
-            # The thread's round may have spent the wait on a store request to a dead rank 0 (up to a second each on
-            # a loaded machine) before looking at the peer's pid; look once more here, without the store.
+        if wait_for_failure > 0 and self.failure is None and not self._peer_view.finished:
+            # The thread's round may have spent the wait on store requests to a dead rank 0 (up to a second each on a
+            # loaded machine), and may be inside one still, before looking at the peer's pid: look here, without the
+            # store. (The thread no longer reports once `_stop` is set; at worst both read the peer's last heartbeat.)
             lost = self._judge_peer("", time.monotonic(), store_answers=False)
             if lost is not None:
                 self._fail(lost)
@@ -227,7 +229,7 @@ class HeartbeatWatchdog:
                 view.counter, view.step, view.host, view.pid, view.changed_at = counter, step, host, int(pid), now
                 view.collective = collective[0] if collective else ""
         silent = now - view.changed_at
-        if view.counter is not None and view.host == self._host and not _process_alive(view.pid):
+        if view.pid and view.host == self._host and not _process_alive(view.pid):
             reason = f"its process (pid {view.pid} on {view.host}) is gone"
         elif silent > self.timeout:
             reason = "no heartbeat yet" if view.counter is None else f"last heartbeat {silent:.1f} s ago"

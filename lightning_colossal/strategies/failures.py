@@ -9,7 +9,9 @@ modes not to start a collective that the other ranks may never reach (``_failure
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import sys
 import threading
 from datetime import timedelta
@@ -48,6 +50,10 @@ class FailureReportingMixin(ParallelStrategy):
             return
         from torch.distributed.distributed_c10d import _get_default_store
 
+        # Where every rank runs, so a peer that dies before its first heartbeat is read is still named by its pid.
+        identities = collectives.gather_objects((socket.gethostname(), os.getpid()))
+        peer_host, peer_pid = identities[(self.global_rank + 1) % len(identities)]
+
         self._watchdog = HeartbeatWatchdog(
             _get_default_store(),
             rank=self.global_rank,
@@ -55,6 +61,7 @@ class FailureReportingMixin(ParallelStrategy):
             timeout=self.heartbeat_timeout,
             current_step=self._current_global_step,
             prefix=f"lightning_colossal/watchdog/{generation}",
+            peer_identity=(peer_host, peer_pid),
         ).start()
 
     def _stop_watchdog(self, clean: bool, wait_for_failure: float = 0.0) -> str | None:

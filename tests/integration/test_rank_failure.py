@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -375,6 +376,31 @@ def test_watchdog_names_a_dead_process_on_this_host_without_waiting_for_the_time
         time.sleep(0.05)
     assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
     first.stop()
+
+
+def test_watchdog_names_a_peer_that_died_before_any_heartbeat_of_it_was_read():
+    # Rank 0 killed in the first steps takes the store with it before rank 1 read any heartbeat; the (host, pid) the
+    # strategy exchanged at start-up still names it at once instead of after the 60 s timeout.
+    store, reports = _BreakableStore(), []
+    watchdog = HeartbeatWatchdog(
+        store,
+        rank=0,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+        prefix="unit",
+        interval=0.05,
+        on_failure=reports.append,
+        peer_identity=(socket.gethostname(), 2**22 + 12345),  # a pid that does not exist
+    )
+    store.broken = True
+    watchdog.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
+    finally:
+        watchdog.stop()
 
 
 class _BreakableStore:
