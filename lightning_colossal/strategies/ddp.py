@@ -71,8 +71,7 @@ class ColossalDDPStrategy(ColossalStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self._forward_redirection = _ManualOptimizationAwareRedirection()
-        self._parameters_ddp_averages: set[int] = set()
-        self._parameters_ddp_ignores: set[int] = set()
+        self._parameters_ddp_handles: set[int] = set()
         self._said_late_parameters = False
         if broadcast_buffers is not None:
             if forward_sync_buffers is not None:
@@ -135,11 +134,12 @@ class ColossalDDPStrategy(ColossalStrategy):
                 find_unused_parameters=config.find_unused_parameters,
                 **buffer_sync,
             )
-        # What DDP's reducer averages, and what it was told to leave rank-local ([Note: parameters that become
-        # trainable after wrapping]).
-        self._parameters_ddp_averages = {id(parameter) for parameter in wrapped.parameters() if parameter.requires_grad}
-        self._parameters_ddp_ignores = {
-            id(parameter) for name, parameter in module.named_parameters() if name in wrapped.parameters_to_ignore
+        # What DDP's reducer averages and what it was told to leave rank-local: every other parameter that trains
+        # is averaged by the strategy ([Note: parameters that become trainable after wrapping]).
+        self._parameters_ddp_handles = {
+            id(parameter)
+            for name, parameter in module.named_parameters()
+            if parameter.requires_grad or name in wrapped.parameters_to_ignore
         }
         if config.gradient_compression is not None:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[config.gradient_compression]
@@ -166,9 +166,7 @@ class ColossalDDPStrategy(ColossalStrategy):
         late = [
             parameter
             for parameter in model.parameters()
-            if parameter.requires_grad
-            and id(parameter) not in self._parameters_ddp_averages
-            and id(parameter) not in self._parameters_ddp_ignores
+            if parameter.requires_grad and id(parameter) not in self._parameters_ddp_handles
         ]
         if not late:
             return
