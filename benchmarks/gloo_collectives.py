@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.gloo_collectives [--numel N] [--repeats R]`` starts two gloo ranks and times, on the
 27,369,472 fp32 elements of the benchmark GPT: an all-reduce of the whole tensor (ZeRO's exchange on gloo, every rank
-contributing its own rows into zeros), an all-gather of each rank's half into the whole (the exchange on NCCL), and
-the buffer work the all-reduce route adds (zeroing the buffer and copying the result out). Prints the median and
+contributing its own rows into zeros), gloo's all-gather of each rank's half into the whole, the same all-gather and
+a reduce-scatter built from point-to-point sends (``lightning_colossal.distributed.direct_exchange``, the engines'
+route on gloo), and the buffer work the all-reduce route adds (zeroing the buffer and copying the result out). Prints the median and
 range over ``R`` timed repeats after one warm-up, each started behind a barrier.
 """
 
@@ -20,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lightning_colossal.distributed import direct_exchange
 
 BENCHMARK_GPT_NUMEL = 27_369_472
 
@@ -49,9 +52,14 @@ def _rank(rank: int, port: int, numel: int, repeats: int) -> None:
     half = torch.randn(numel // 2)
     gathered = torch.empty(numel // 2 * 2)
     parameters = torch.empty(numel)
+    half_out = torch.empty(numel // 2)
     routes: dict[str, Callable[[], object]] = {
         "all_reduce of the whole tensor": lambda: dist.all_reduce(whole),
-        "all_gather_into_tensor of the halves": lambda: dist.all_gather_into_tensor(gathered, half),
+        "gloo's all_gather of the halves": lambda: dist.all_gather(list(gathered.view(2, -1).unbind(0)), half),
+        "point-to-point all-gather of the halves": lambda: direct_exchange.all_gather(gathered, half, None).wait(),
+        "point-to-point reduce-scatter of the whole tensor": lambda: direct_exchange.reduce_scatter(
+            half_out, whole, None
+        ).wait(),
         "zero the buffer + copy the result out": lambda: (whole.zero_(), parameters.copy_(whole)),
     }
     for label, operation in routes.items():

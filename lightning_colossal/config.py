@@ -141,8 +141,9 @@ class ZeroConfig:
         stage2_accumulation: with gradient accumulation under stage 2, ``"sharded"`` reduces every micro-batch into
             the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"`` accumulates full
             gradients and reduces once per step (stage-1 memory during accumulation, least communication).
-        communication: ``"auto"`` picks per backend (reduce-scatter + all-gather on NCCL, all-reduce on gloo,
-            where it is ~3x cheaper); ``"all_reduce"`` or ``"scatter_gather"`` force one (same results).
+        communication: ``"auto"`` or ``"scatter_gather"`` reduce-scatter gradients and all-gather parameters
+            (NCCL's collectives; point-to-point sends on gloo, about twice as fast there as its all-reduce);
+            ``"all_reduce"`` does both with all-reduces instead (same results, twice the bytes).
     """
 
     stage: int = 1
@@ -254,8 +255,9 @@ class GeminiConfig:
         search_range_numel: the search tries sizes in ``[start, start + search_range_numel]``.
         search_step_numel: step between the sizes the search tries.
         max_prefetch: chunks gathered ahead of use, asynchronously, in the order recorded in the first step.
-        communication: ``"auto"`` (all-reduce on gloo, where it is ~3x cheaper; reduce-scatter and all-gather
-            elsewhere), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
+        communication: ``"auto"`` or ``"scatter_gather"`` (reduce-scatter and all-gather: NCCL's collectives,
+            point-to-point sends on gloo) or ``"all_reduce"`` (all-reduces of twice the bytes); results are
+            identical.
         init_window_bytes: when the model was built on the meta device, how many bytes of parameters one
             initialisation pass may materialise at once (more passes, less memory).
         shard_frozen_parameters: parameters with ``requires_grad=False`` (a LoRA model's whole base model) go into

@@ -11,16 +11,16 @@ Every call into torch.distributed here runs inside ``in_flight.Collective`` (asy
 ``in_flight.RecordedWork``), so a collective that times out or fails says which one it was ([Note: the collective in
 flight] in ``in_flight.py``).
 
-[Note: all-reduce on gloo]
+[Note: exchanges per backend]
 Sharded engines need two exchanges: "each rank ends with the sum of its own rows" (a reduce-scatter) and "each rank
-ends with every rank's rows" (an all-gather). On gloo, reduce-scatter and all-gather cost ~3x an all-reduce of the
-same bytes on CPU (measured in benchmarks/RESULTS.md, ZeRO section), so there both are done with an all-reduce: of
-the rank-major buffer, keeping this rank's slot (a reduce-scatter), or of a zeroed full buffer into which each rank
-wrote only its own rows (an all-gather: the rows partition the tensor, so the sum is the gathered tensor). NCCL's
-reduce-scatter and all-gather move half the bytes of an all-reduce and are used there. ``all_reduce_is_cheaper`` is
-that choice; ``use_scatter_gather`` applies it to the engines' ``communication`` setting, where tests force the
-NCCL path on gloo. Both paths give the same values; which buffer layout an engine all-reduces is its own
-(``zero/stages.py``, ``gemini/manager.py``).
+ends with every rank's rows" (an all-gather). On NCCL they are NCCL's own collectives. On gloo its own reduce-scatter
+and all-gather are slower than even an all-reduce of twice the bytes, so both are built from point-to-point sends
+(``direct_exchange.py``, [Note: direct exchanges on gloo]), which measured about twice as fast as the all-reduce.
+The engines' ``communication`` setting can still force the all-reduce route (``"all_reduce"``): of the rank-major
+buffer, keeping this rank's slot (a reduce-scatter), or of a zeroed full buffer into which each rank wrote only its
+own rows (an all-gather: the rows partition the tensor, so the sum is the gathered tensor). ``use_scatter_gather``
+turns the setting into that choice. Both routes give the same values; which buffer layout an engine reduces is its
+own (``zero/stages.py``, ``gemini/manager.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from lightning_colossal.distributed import direct_exchange
 from lightning_colossal.distributed.group_cache import reuse_or_create, set_group_timeout
 from lightning_colossal.distributed.in_flight import Collective, RecordedWork
 
@@ -44,6 +45,14 @@ _REDUCE_OPS: dict[str, ReduceOp.RedOpType] = {
     "product": ReduceOp.PRODUCT,
 }
 _MEAN_NAMES = ("mean", "avg")
+# torch 2.13 renamed the flat collectives and warns on the old names; older torch has only those. Looked up per call,
+# so a test that wraps torch.distributed's functions sees them.
+_ALL_GATHER_NAMES = ("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _newest(names: tuple[str, ...]) -> Any:
+    return next(getattr(dist, name) for name in names if hasattr(dist, name))
 
 
 def is_initialized() -> bool:
@@ -169,18 +178,15 @@ def backend(group: ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group)) if is_initialized() else "none"
 
 
-def all_reduce_is_cheaper(group: ProcessGroup | None = None) -> bool:
-    """Whether ``group``'s backend all-reduces faster than it reduce-scatters or all-gathers ([Note: all-reduce on
-    gloo]); also true without a process group, where nothing is sent."""
-    return backend(group) in ("gloo", "none")
-
-
 def use_scatter_gather(communication: str, group: ProcessGroup | None = None) -> bool:
     """The engines' ``communication`` setting (``"auto"``, ``"all_reduce"`` or ``"scatter_gather"``) as a decision:
-    whether to reduce-scatter and all-gather on ``group`` instead of all-reducing ([Note: all-reduce on gloo])."""
-    if communication == "auto":
-        return not all_reduce_is_cheaper(group)
-    return communication == "scatter_gather"
+    whether to reduce-scatter and all-gather on ``group`` instead of all-reducing ([Note: exchanges per backend])."""
+    return communication != "all_reduce"
+
+
+def _sends_directly(group: ProcessGroup | None) -> bool:
+    """Whether this module builds ``group``'s reduce-scatters and all-gathers from point-to-point sends."""
+    return backend(group) == "gloo"
 
 
 def reduce_own_slot_async(
@@ -193,7 +199,8 @@ def reduce_own_slot_async(
     handle to ``wait()`` on (``None`` when nothing was sent) and the tensor that then holds this rank's slot of the sum.
 
     With ``scatter`` a reduce-scatter writes the slot into ``output`` (a fresh tensor when ``None``); otherwise
-    ``slots`` is all-reduced in place and the result is a view of this rank's slot in it ([Note: all-reduce on gloo]).
+    ``slots`` is all-reduced in place and the result is a view of this rank's slot in it ([Note: exchanges per
+    backend]).
     """
     slot_numel = slots.numel() // world_size(group)
     if scatter:
@@ -221,17 +228,33 @@ def reduce_scatter_async(
         output.copy_(input)
         return None
     with Collective("reduce_scatter", group, input):
-        work = dist.reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=group, async_op=True)
+        if _sends_directly(group):
+            work = direct_exchange.reduce_scatter(output, input, group)
+        else:
+            work = _newest(_REDUCE_SCATTER_NAMES)(output, input, op=ReduceOp.SUM, group=group, async_op=True)
     return RecordedWork(work, "reduce_scatter", group, input)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None) -> None:
     """Concatenate every rank's ``input`` (same size on all ranks) into ``output``, in rank order."""
+    work = all_gather_into_async(output, input, group)
+    if work is not None:
+        work.wait()
+
+
+def all_gather_into_async(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None
+) -> RecordedWork | None:
+    """Start ``all_gather_into``; returns the handle to ``wait()`` on (``None`` when alone: already done)."""
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
-        return
-    with Collective("all_gather_into_tensor", group, input):
-        dist.all_gather_into_tensor(output, input, group=group)
+        return None
+    with Collective("all_gather", group, input):
+        if _sends_directly(group):
+            work = direct_exchange.all_gather(output, input, group)
+        else:
+            work = _newest(_ALL_GATHER_NAMES)(output, input, group=group, async_op=True)
+    return RecordedWork(work, "all_gather", group, input)
 
 
 def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:
@@ -269,12 +292,7 @@ def gather_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = No
         return tensor
     moved = tensor.movedim(dim, 0).contiguous()
     output = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    with Collective("all_gather", group, moved):
-        if backend(group) == "gloo":
-            # gloo's all_gather_into_tensor is missing on some builds; the list form is always there.
-            dist.all_gather(list(output.chunk(size)), moved, group=group)
-        else:
-            dist.all_gather_into_tensor(output, moved, group=group)
+    all_gather_into(output, moved, group)
     return output.movedim(0, dim)
 
 
@@ -287,13 +305,10 @@ def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | N
         raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split into {size} equal slices.")
     moved = tensor.movedim(dim, 0).contiguous()
     # Slicing dim 0 of a contiguous tensor into equal pieces makes rank-major slots of the flat buffer.
-    via_all_reduce = all_reduce_is_cheaper(group)
-    work, own = reduce_own_slot_async(moved.view(-1), group, scatter=not via_all_reduce)
+    work, own = reduce_own_slot_async(moved.view(-1), group, scatter=True)
     if work is not None:
         work.wait()
-    # The all-reduced buffer is a temporary of this call: the slot is copied out so it does not keep the buffer alive.
-    output = own.clone() if via_all_reduce else own
-    return output.view(moved.shape[0] // size, *moved.shape[1:]).movedim(0, dim)
+    return own.view(moved.shape[0] // size, *moved.shape[1:]).movedim(0, dim)
 
 
 def all_to_all_along(

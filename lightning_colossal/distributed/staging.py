@@ -6,7 +6,7 @@ Two layouts hold the rows of many parameters at once ([Note: sharding along dim 
   parameter, each parameter at the same ``slot_offset`` in every slot. One reduce-scatter or all-gather moves the
   whole buffer (ZeRO's stage-2 buckets and parameter exchange, Gemini's chunk gathers and reductions).
 - *parameter-major*: each parameter's whole flat value, one after the other. Zeroed, with each rank writing only its
-  own rows, an all-reduce of it is an all-gather ([Note: all-reduce on gloo] in ``collectives``).
+  own rows, an all-reduce of it is an all-gather ([Note: exchanges per backend] in ``collectives``).
 
 Zero-dimensional parameters are replicated: every rank owns the whole value.
 """

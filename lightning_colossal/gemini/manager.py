@@ -4,13 +4,15 @@ Only this module moves chunk storage or communicates for it; the runtime (``hook
 engine's checkpoint and end-of-run paths in ``checkpoint_state``) decides *when*.
 
 [Note: chunk collectives per backend]
-On gloo ([Note: all-reduce on gloo] in ``distributed/collectives.py``) a gather writes this rank's rows into a zeroed
-parameter-major buffer (the gathered chunk's own layout) and all-reduces it: the rows partition every parameter, so
-the sum is the gathered chunk. NCCL (or ``communication="scatter_gather"``) all-gathers rank-major slots and copies
-them out. Gradients are the mirror image: all-reduce the parameter-major full gradient and keep the own rows, or
-stage it into rank-major slots and reduce-scatter them. Both paths give identical results; tests force the second
-one on gloo. Every gathered buffer, staging buffer and full gradient is allocated when it is needed and dropped
-after (no pool: on CUDA the caching allocator recycles the blocks).
+By default (``communication="auto"``) a gather all-gathers rank-major slots and copies them out into the chunk's
+parameter-major layout, and a gradient is staged into rank-major slots and reduce-scattered: NCCL's collectives, or
+on gloo the point-to-point exchanges of ``distributed/direct_exchange.py`` ([Note: exchanges per backend] in
+``distributed/collectives.py``). With ``communication="all_reduce"`` a gather writes this rank's rows into a zeroed
+parameter-major buffer and all-reduces it (the rows partition every parameter, so the sum is the gathered chunk), and
+a gradient is all-reduced in its own layout, keeping the own rows. Both routes give identical results and both are
+tested. Both gathers can run ahead of the module that needs them (prefetch); the copy-out of the first happens in
+``wait``. Every gathered buffer, staging buffer and full gradient is allocated when it is needed and dropped after
+(no pool: on CUDA the caching allocator recycles the blocks).
 
 [Note: two groups]
 Gathers happen where modules need their chunks; a chunk's gradient reduction happens once its gradients are complete,
@@ -174,17 +176,16 @@ class ChunkManager:
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
 
-    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | None:
+    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | _ThenCopyRows | None:
         """Start filling the zeroed ``full`` with every rank's rows of ``chunk``, this rank giving its shard
         ``source`` ([Note: chunk collectives per backend]); returns the handle to wait on (``None``: done)."""
         if self.use_scatter_gather:
-            self._all_gather_slots(chunk, source, full)
-            return None
+            return self._all_gather_slots(chunk, source, full)
         for member in chunk.spec.members:
             own_rows_into_whole(chunk.member_shard(source, member), member.spec, _flat_member(full, member))
         return collectives.all_reduce_async(full, group=self.process_group)
 
-    def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> None:
+    def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> _ThenCopyRows | None:
         slot = chunk.spec.slot_numel
         send = torch.zeros(slot, dtype=source.dtype, device=self.compute_device)
         for member in chunk.spec.members:
@@ -192,10 +193,17 @@ class ChunkManager:
                 chunk.member_shard(source, member).reshape(-1)
             )
         slots = torch.empty(self.world_size * slot, dtype=source.dtype, device=self.compute_device)
-        collectives.all_gather_into(slots, send, group=self.process_group)
-        slots = slots.view(self.world_size, slot)
-        for member in chunk.spec.members:
-            rows_from_slots(slots, member.slot_offset, member.spec, _flat_member(full, member))
+        work = collectives.all_gather_into_async(slots, send, group=self.process_group)
+
+        def copy_rows() -> None:
+            rank_major = slots.view(self.world_size, slot)
+            for member in chunk.spec.members:
+                rows_from_slots(rank_major, member.slot_offset, member.spec, _flat_member(full, member))
+
+        if work is None:
+            copy_rows()
+            return None
+        return _ThenCopyRows(work, copy_rows)
 
     def _point_parameters(self, chunk: Chunk) -> None:
         assert chunk.full is not None
@@ -377,6 +385,22 @@ def _flat_member(full: Tensor, member: ChunkMember) -> Tensor:
 
 def chunk_gradient_bytes(chunk: Chunk) -> int:
     return chunk.spec.numel * 4  # full gradients are fp32
+
+
+class _ThenCopyRows:
+    """An all-gather of rank-major slots in flight; ``wait()`` also copies the rows into the chunk's layout."""
+
+    __slots__ = ("_work", "_copy_rows")
+
+    def __init__(self, work: RecordedWork, copy_rows: Callable[[], None]) -> None:
+        self._work = work
+        self._copy_rows: Callable[[], None] | None = copy_rows
+
+    def wait(self) -> None:
+        self._work.wait()
+        copy_rows, self._copy_rows = self._copy_rows, None
+        if copy_rows is not None:
+            copy_rows()
 
 
 class _PendingReduction(NamedTuple):

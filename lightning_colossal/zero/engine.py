@@ -7,9 +7,10 @@ fp32 masters in one flat buffer on the offload device. After each optimizer step
 and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
 
 [Note: parameter exchange per backend]
-After a step each rank owns fresh rows of every parameter. NCCL all-gathers a rank-major buffer. On gloo each rank
-writes its rows into a zeroed full-size buffer and all-reduces it: since the owned rows partition the parameter, the
-sum is exactly the gathered tensor ([Note: all-reduce on gloo] in ``distributed/collectives.py``).
+After a step each rank owns fresh rows of every parameter. By default they are all-gathered as a rank-major buffer
+(NCCL's all-gather, or point-to-point sends on gloo). With ``communication="all_reduce"`` each rank writes its rows
+into a zeroed full-size buffer and all-reduces it: since the owned rows partition the parameter, the sum is exactly
+the gathered tensor ([Note: exchanges per backend] in ``distributed/collectives.py``).
 
 [Note: masters or parameters in checkpoints]
 A checkpoint holds the fp32 masters instead of the parameters exactly when some trainable parameter is not fp32

@@ -6,9 +6,10 @@ rank-major staging buffer as soon as autograd produced it, frees it, and adds th
 fp32 accumulator of this rank's rows only.
 
 [Note: ZeRO-2 reduction per backend]
-Stage 2 needs each rank to end with the sum of its own rows: a reduce-scatter of the rank-major staging buffer, or,
-on gloo, an all-reduce of the same buffer after which each rank keeps its slot (``collectives.reduce_own_slot_async``,
-[Note: all-reduce on gloo]). Both give the same sums.
+Stage 2 needs each rank to end with the sum of its own rows: a reduce-scatter of the rank-major staging buffer (the
+default; point-to-point on gloo), or, with ``communication="all_reduce"``, an all-reduce of the same buffer after
+which each rank keeps its slot (``collectives.reduce_own_slot_async``, [Note: exchanges per backend]). Both give the
+same sums.
 
 [Note: bounded staging]
 Stage 2's staging buffers come from a small pool and go back to it once their bucket is reduced; at most

@@ -128,7 +128,16 @@ def _strategy(spec: dict[str, Any] | str) -> Any:
 
 
 COLLECTIVE_CALLS = [0]
-COUNTED_COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "broadcast")
+# Point-to-point sends count too: on gloo the engines' reduce-scatters and all-gathers are built from them.
+COUNTED_COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "all_gather",
+    "broadcast",
+    "isend",
+    "irecv",
+)
 
 
 @contextmanager

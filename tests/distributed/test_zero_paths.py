@@ -28,10 +28,11 @@ def train_body(strategy_kwargs: dict[str, Any], accumulate: int = 1) -> dict[str
     return train_and_record(ZeroStrategy(**strategy_kwargs), STEPS, accumulate, clip=0.05)
 
 
+@pytest.mark.parametrize("communication", ["all_reduce", "scatter_gather"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_scatter_gather_collectives_match_oracle(rank_pool_2, stage):
-    # The path NCCL users get by default (reduce-scatter + all-gather), forced on gloo so CPU CI covers it.
-    kwargs = {"stage": stage, "communication": "scatter_gather", "bucket_size_mb": 0.001}
+def test_both_collective_routes_match_oracle(rank_pool_2, stage, communication):
+    # The default route is reduce-scatter + all-gather (point-to-point on gloo); the all-reduce route is the setting.
+    kwargs = {"stage": stage, "communication": communication, "bucket_size_mb": 0.001}
     results = rank_pool_2.run(train_body, kwargs, 2)
     oracle = oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05)
     losses = step_losses_from_ranks([result["losses"] for result in results], 2)
@@ -40,8 +41,9 @@ def test_scatter_gather_collectives_match_oracle(rank_pool_2, stage):
         torch.testing.assert_close(result["parameters"], oracle.parameters, rtol=1e-5, atol=1e-6)
 
 
-def test_scatter_gather_on_four_ranks_with_empty_shards(rank_pool_4):
-    results = rank_pool_4.run(train_body, {"stage": 2, "communication": "scatter_gather"}, 1)
+@pytest.mark.parametrize("communication", ["all_reduce", "scatter_gather"])
+def test_four_ranks_with_empty_shards(rank_pool_4, communication):
+    results = rank_pool_4.run(train_body, {"stage": 2, "communication": communication}, 1)
     oracle = oracle_train(world_size=4, steps=STEPS, clip_norm=0.05)
     for result in results:
         torch.testing.assert_close(result["parameters"], oracle.parameters, rtol=1e-5, atol=1e-6)

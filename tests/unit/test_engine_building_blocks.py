@@ -64,9 +64,8 @@ def test_windows_close_when_full_and_big_items_get_their_own():
     assert plan_windows([10, 1], 10) == [[0], [1]]
 
 
-def test_communication_setting_picks_all_reduce_without_a_process_group():
-    assert collectives.all_reduce_is_cheaper()
-    assert not collectives.use_scatter_gather("auto")
+def test_communication_setting_picks_scatter_gather_unless_all_reduce_is_forced():
+    assert collectives.use_scatter_gather("auto")
     assert not collectives.use_scatter_gather("all_reduce")
     assert collectives.use_scatter_gather("scatter_gather")
 

@@ -1,0 +1,92 @@
+"""All-gather and reduce-scatter built from point-to-point sends, the fast route on gloo.
+
+[Note: direct exchanges on gloo]
+Sharded engines need two exchanges: "each rank ends with every rank's rows" (an all-gather) and "each rank ends with
+the sum of its own rows" (a reduce-scatter). On gloo over loopback TCP, with two ranks and the benchmark GPT's 104 MiB
+of fp32 (``python -m benchmarks.gloo_collectives``, benchmarks/RESULTS.md): gloo's ``all_gather_into_tensor`` took
+~116 ms, an all-reduce of the whole buffer ~73 ms, and each rank sending its half straight to the other ~32 ms.
+gloo's collectives copy through intermediate buffers and run on one worker thread; a send is one socket write of
+the caller's memory. So on gloo both exchanges are done here, directly:
+
+- all-gather: this rank sends its slot to every other rank and receives every other rank's slot straight into the
+  output (no staging, no reduction);
+- reduce-scatter: this rank sends slot ``r`` of its input to rank ``r`` and receives the other ranks' contributions
+  to its own slot into a scratch buffer; ``wait()`` sums them **in rank order**, so a slot that several ranks hold
+  in full (a replicated parameter in ZeRO's layout) gets the same bits on every rank.
+
+Each rank sends (n−1)/n of the payload, the ring algorithms' figure; the scratch buffer of a reduce-scatter holds
+(n−1) slots, which is the n ≤ 8 CPU case this is for (NCCL keeps its own collectives). Every pair of ranks exchanges
+exactly one message per direction per call, and every rank issues its calls on a group in the same order, so
+messages match by order without tags. Sends and receives are posted at once and progress in gloo's transport while
+the caller computes; ``is_completed()`` turns true only once ``wait()`` ran, because gloo marks point-to-point work
+complete there. A receive waits at most the group's timeout, like any gloo collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+class DirectExchange:
+    """The sends and receives of one exchange; ``wait()`` waits for all of them, then runs ``finish`` once."""
+
+    __slots__ = ("_works", "_finish")
+
+    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._finish = finish
+
+    def wait(self) -> bool:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._works and self._finish is None
+
+
+def _peers(rank: int, size: int) -> list[tuple[int, int]]:
+    """(send to, receive from) for each step: step ``s`` sends to ``rank + s`` and receives from ``rank - s``."""
+    return [((rank + step) % size, (rank - step) % size) for step in range(1, size)]
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None) -> DirectExchange:
+    """Start filling the flat ``output`` (world size × ``input.numel()``, rank-major) with every rank's ``input``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    source = input.reshape(-1)
+    slots = output.view(size, source.numel())
+    slots[rank].copy_(source)
+    works = []
+    for send_to, receive_from in _peers(rank, size):
+        works.append(dist.isend(source, group_dst=send_to, group=group))
+        works.append(dist.irecv(slots[receive_from], group_src=receive_from, group=group))
+    return DirectExchange(works)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None) -> DirectExchange:
+    """Start summing slot ``rank`` of the rank-major flat ``input`` over every rank into ``output``."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    slots = input.view(size, -1)
+    # One scratch slot per other rank, in rank order with this rank's left out.
+    received = torch.empty((size - 1, slots.shape[1]), dtype=input.dtype, device=input.device)
+    contributions = [slots[rank] if source == rank else received[source - (source > rank)] for source in range(size)]
+    works = []
+    for send_to, receive_from in _peers(rank, size):
+        works.append(dist.isend(slots[send_to], group_dst=send_to, group=group))
+        works.append(dist.irecv(contributions[receive_from], group_src=receive_from, group=group))
+
+    def finish() -> None:
+        # Summed in rank order on every rank (see the Note).
+        output.copy_(contributions[0])
+        for contribution in contributions[1:]:
+            output.add_(contribution)
+
+    return DirectExchange(works, finish)

@@ -1,0 +1,74 @@
+"""The point-to-point all-gather and reduce-scatter of gloo ([Note: direct exchanges on gloo]), against values
+computed by hand: every rank's slot lands in its place, sums are exact in rank order, and a slot every rank holds
+in full (a replicated parameter) gets the same bits everywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_colossal.distributed import collectives
+
+SLOT = 1031  # odd, so no slot happens to line up with anything
+
+
+def _contribution(rank: int, world_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s rank-major input: values of very different magnitudes, so the order of a sum shows in its
+    last bits."""
+    generator = torch.Generator().manual_seed(rank)
+    magnitudes = 10.0 ** torch.randint(-4, 5, (world_size * SLOT,), generator=generator)
+    values = torch.randn(world_size * SLOT, generator=generator) * magnitudes
+    return values.to(dtype)
+
+
+def exchange_body(dtype_name: str, asynchronous: bool) -> dict[str, Any]:
+    dtype = getattr(torch, dtype_name)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs = [_contribution(source, world_size, dtype) for source in range(world_size)]
+
+    output = torch.full((SLOT,), float("nan"), dtype=dtype)
+    work = collectives.reduce_scatter_async(output, inputs[rank].clone())
+    work.wait()
+    expected_sum = inputs[0].view(world_size, SLOT)[rank].clone()
+    for source in range(1, world_size):
+        expected_sum += inputs[source].view(world_size, SLOT)[rank]
+
+    gathered = torch.full((world_size * SLOT,), float("nan"), dtype=dtype)
+    own = inputs[rank][:SLOT]
+    if asynchronous:
+        handle = collectives.all_gather_into_async(gathered, own)
+        handle.wait()
+    else:
+        collectives.all_gather_into(gathered, own)
+    expected_gather = torch.cat([inputs[source][:SLOT] for source in range(world_size)])
+
+    # A replicated slot: every rank contributes the whole tensor in every slot, so every rank sums the same values.
+    replicated_input = torch.cat([inputs[rank][:SLOT]] * world_size)
+    replicated = torch.empty(SLOT, dtype=dtype)
+    collectives.reduce_scatter_async(replicated, replicated_input).wait()
+    return {
+        "sum_exact": torch.equal(output, expected_sum),
+        "gather_exact": torch.equal(gathered, expected_gather),
+        "replicated": replicated,
+        "completed_after_wait": work.is_completed(),
+    }
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_four_ranks_get_exact_slots_and_sums(rank_pool_4, dtype_name, asynchronous):
+    results = rank_pool_4.run(exchange_body, dtype_name, asynchronous)
+    for rank, result in enumerate(results):
+        assert result["sum_exact"], f"rank {rank}: the reduce-scatter is not the rank-order sum of its slot"
+        assert result["gather_exact"], f"rank {rank}: the all-gather misplaced a slot"
+        assert result["completed_after_wait"]
+        # Replicated rows: the same bits on every rank, or replicated parameters would drift apart.
+        assert torch.equal(result["replicated"], results[0]["replicated"]), f"rank {rank} summed in another order"
+
+
+def test_two_ranks(rank_pool_2):
+    for result in rank_pool_2.run(exchange_body, "float32", True):
+        assert result["sum_exact"] and result["gather_exact"]
