@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_colossal.fsdp.exchange import use_direct_exchange
+
 
 def detect_block_classes(module: nn.Module, known_blocks: Iterable[str] = ()) -> set[str]:
     """Class names of repeated transformer blocks: those any submodule declares in ``_no_split_modules`` (Hugging
@@ -80,13 +82,15 @@ def shard_model(
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
 
     def shard(unit: nn.Module) -> FSDPModule:
-        return fully_shard(
+        sharded = fully_shard(
             unit,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mixed_precision,
             offload_policy=offload,
         )
+        use_direct_exchange(sharded, mesh)
+        return sharded
 
     blocks = [
         submodule

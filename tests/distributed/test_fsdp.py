@@ -474,11 +474,14 @@ def reduce_scatter_count_body(accumulate: int) -> int:
     import torch.distributed as dist
 
     from lightning_colossal import ColossalFSDPStrategy
+    from lightning_colossal.distributed import collectives
 
     calls = [0]
-    # FSDP2 reduces gradients with one of these, depending on the torch version; count whichever exist.
+    # FSDP2 reduces gradients with one of these, depending on the torch version, or on gloo with ours
+    # (fsdp/exchange.py); count whichever exist.
     names = [name for name in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, name)]
-    originals = {name: getattr(dist, name) for name in names}
+    originals = {(dist, name): getattr(dist, name) for name in names}
+    originals[(collectives, "reduce_scatter_async")] = collectives.reduce_scatter_async
 
     def counting(original: Any) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -487,13 +490,13 @@ def reduce_scatter_count_body(accumulate: int) -> int:
 
         return call
 
-    for name, original in originals.items():
-        setattr(dist, name, counting(original))
+    for (owner, name), original in originals.items():
+        setattr(owner, name, counting(original))
     try:
         train_and_record(ColossalFSDPStrategy(), 2, accumulate)
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
     return calls[0]
 
 
@@ -502,3 +505,37 @@ def test_accumulation_reduces_only_on_the_last_micro_batch(rank_pool_2):
     accumulated = rank_pool_2.run(reduce_scatter_count_body, 2)[0]
     assert single > 0, "the counter saw no reduce-scatter at all: it measures nothing"
     assert accumulated == single, f"{accumulated} reduce-scatters for 2 steps of 2 micro-batches, {single} without"
+
+
+def direct_exchange_count_body() -> dict[str, int]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_colossal import ColossalFSDPStrategy
+    from lightning_colossal.distributed import direct_exchange
+
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    originals = {name: getattr(direct_exchange, name) for name in calls}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(direct_exchange, name, counting(name))
+    try:
+        train_and_record(ColossalFSDPStrategy(), 2, 1)
+    finally:
+        for name, original in originals.items():
+            setattr(direct_exchange, name, original)
+    return {**calls, "torch_takes_custom_comms": int(hasattr(FSDPModule, "set_custom_all_gather"))}
+
+
+def test_on_gloo_fsdp2_gathers_and_reduces_through_the_point_to_point_exchanges(rank_pool_2):
+    # Faster than gloo's own collectives ([Note: direct exchanges on gloo]); the oracle tests above check the values.
+    for result in rank_pool_2.run(direct_exchange_count_body):
+        if not result["torch_takes_custom_comms"]:
+            pytest.skip("this torch has no FSDPModule.set_custom_all_gather")
+        assert result["all_gather"] > 0 and result["reduce_scatter"] > 0, result
