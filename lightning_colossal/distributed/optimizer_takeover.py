@@ -6,24 +6,46 @@ but replace the parameters in its groups by *masters* (this rank's fp32 rows of 
 sound for a ``torch.optim.Optimizer`` that holds nothing but the model's parameters and never stepped: state keyed
 by the old parameters would be orphaned, and a tensor that is not a parameter has no rows to shard. Frozen
 parameters in the optimizer are fine (users often pass ``self.parameters()`` for a LoRA model): they get no master
-and leave the groups, since they never have a gradient to step.
+and leave the groups, since they never have a gradient to step. Each rank then steps only its rows, so the
+optimizer's update of an element must depend on that element alone (its gradient and its own state): true of Adam,
+AdamW, SGD, RMSprop, Adagrad and torch's other elementwise optimizers, false of LBFGS, Adafactor, Muon and
+SparseAdam, which are refused (``WHOLE_PARAMETER_OPTIMIZERS``). An optimizer from another package is taken on trust.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 # torch optimizers whose fused kernel also runs on the CPU.
 FUSED_CPU_KERNELS = ("Adam", "AdamW", "SGD", "Adagrad")
 
+# torch optimizers that cannot step a rank's rows of a parameter on their own, and why ([Note: optimizer takeover]).
+WHOLE_PARAMETER_OPTIMIZERS = {
+    "LBFGS": "re-evaluates the loss inside step() and searches along a direction made of dot products over the whole"
+    " model",
+    "Adafactor": "factors its second moment into row and column statistics of each whole parameter",
+    "Muon": "orthogonalises each whole weight matrix",
+    "SparseAdam": "needs sparse gradients, which the engine's reduced gradient shards are not",
+}
+
 
 def check_optimizer(optimizer: object, engine: str) -> Optimizer:
-    """``optimizer`` if the engine can take it over as a type, else ``TypeError``."""
+    """``optimizer`` if the engine can take it over, else ``TypeError`` (not a torch optimizer) or ``ValueError``
+    (an optimizer that needs whole parameters)."""
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"{engine} shards a torch.optim.Optimizer; got {type(optimizer).__name__}.")
+    for name, reason in WHOLE_PARAMETER_OPTIMIZERS.items():
+        torch_class = getattr(torch.optim, name, None)  # Adafactor and Muon are recent
+        if torch_class is not None and isinstance(optimizer, torch_class):
+            raise ValueError(
+                f"{engine} steps each rank's rows of every parameter, but {name} {reason}: stepped in pieces its"
+                " updates would be silently wrong. Use an elementwise optimizer (Adam, AdamW, SGD, RMSprop, Adagrad,"
+                " ...), or `colossal_ddp`, which steps whole parameters on every rank."
+            )
     return optimizer
 
 

@@ -357,12 +357,6 @@ def _held_parameters(optimizer: Optimizer | None, module: nn.Module) -> set[int]
     if optimizer is None:
         return None
     optimizer_takeover.check_optimizer(optimizer, "Gemini")
-    name = type(optimizer).__name__
-    if name in ("LBFGS",):
-        raise ValueError(
-            f"{name} needs whole parameters and re-evaluates the loss: it cannot be stepped per chunk shard. Use an"
-            " elementwise optimizer (Adam, AdamW, SGD, ...) or `colossal_ddp`."
-        )
     optimizer_takeover.refuse_accelerator_only_options(
         optimizer, cpu_steps="Gemini may step chunks in CPU memory", fix="", fused=False
     )

@@ -89,6 +89,22 @@ def test_takeover_refuses_what_is_not_an_optimizer():
         optimizer_takeover.check_optimizer([], "ZeRO")
 
 
+@pytest.mark.parametrize("name", sorted(optimizer_takeover.WHOLE_PARAMETER_OPTIMIZERS))
+def test_takeover_refuses_optimizers_that_need_whole_parameters(name):
+    optimizer_class = getattr(torch.optim, name, None)
+    if optimizer_class is None:
+        pytest.skip(f"this torch has no torch.optim.{name}")
+    optimizer = optimizer_class([nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match=rf"ZeRO steps each rank's rows .* but {name} .* `colossal_ddp`"):
+        optimizer_takeover.check_optimizer(optimizer, "ZeRO")
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop"])
+def test_takeover_accepts_elementwise_optimizers(name):
+    optimizer = getattr(torch.optim, name)([nn.Parameter(torch.zeros(4, 4))], lr=0.1)
+    assert optimizer_takeover.check_optimizer(optimizer, "ZeRO") is optimizer
+
+
 def test_takeover_refuses_foreign_tensors_with_the_fix():
     model, _ = _model_and_optimizer()
     optimizer = torch.optim.SGD([*model.parameters(), nn.Parameter(torch.zeros(1))], lr=0.1)
