@@ -79,6 +79,15 @@ def shard_model(
     activation_checkpointing: bool,
 ) -> list[FSDPModule]:
     """Shard every block, then every parameter-holding top-level child of ``module``; return the roots."""
+    scalars = [name for name, parameter in module.named_parameters() if parameter.dim() == 0]
+    if scalars:
+        # torch's own refusal ("fully_shard doesn't support scalar parameters") names neither the parameter nor a fix.
+        raise ValueError(
+            f"colossal_fsdp cannot shard zero-dimensional parameters ({', '.join(scalars[:5])}"
+            f"{' ...' if len(scalars) > 5 else ''}): torch FSDP2 shards along a dimension. Give them shape (1,)"
+            " (e.g. `nn.Parameter(torch.tensor([value]))`), or train with `colossal_zero2` or `colossal_gemini`,"
+            " which keep such parameters whole on every rank."
+        )
     offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
 
     def shard(unit: nn.Module) -> FSDPModule:

@@ -262,6 +262,10 @@ def error_body(case: str) -> str:
         if case == "loose_parameter":
             module: Any = LooseParameterModule()
             strategy = ColossalFSDPStrategy()
+        elif case == "scalar_parameter":
+            module = new_module()
+            module.model.hidden.register_parameter("temperature", nn.Parameter(torch.tensor(1.0)))
+            strategy = ColossalFSDPStrategy()
         else:
             module = new_module()
             strategy = ColossalFSDPStrategy(replicate_size=3)
@@ -276,6 +280,12 @@ def test_parameter_on_the_lightning_module_is_rejected_with_the_fix(rank_pool_2)
     for message in rank_pool_2.run(error_body, "loose_parameter", timeout=60):
         assert message.startswith("ValueError"), message
         assert "submodule" in message.lower(), message
+
+
+def test_zero_dimensional_parameter_is_named_with_the_fix(rank_pool_2):
+    for message in rank_pool_2.run(error_body, "scalar_parameter", timeout=60):
+        assert message.startswith("ValueError"), message
+        assert "model.hidden.temperature" in message and "shape (1,)" in message, message
 
 
 def test_replicate_size_must_divide_the_world_size(rank_pool_2):
