@@ -184,8 +184,9 @@ def use_scatter_gather(communication: str, group: ProcessGroup | None = None) ->
     return communication != "all_reduce"
 
 
-def _sends_directly(group: ProcessGroup | None) -> bool:
-    """Whether this module builds ``group``'s reduce-scatters and all-gathers from point-to-point sends."""
+def sends_directly(group: ProcessGroup | None) -> bool:
+    """Whether this module builds ``group``'s reduce-scatters and all-gathers from point-to-point sends (whose
+    handles report completion only once waited for: [Note: direct exchanges on gloo])."""
     return backend(group) == "gloo"
 
 
@@ -228,7 +229,7 @@ def reduce_scatter_async(
         output.copy_(input)
         return None
     with Collective("reduce_scatter", group, input):
-        if _sends_directly(group):
+        if sends_directly(group):
             work = direct_exchange.reduce_scatter(output, input, group)
         else:
             work = _newest(_REDUCE_SCATTER_NAMES)(output, input, op=ReduceOp.SUM, group=group, async_op=True)
@@ -250,7 +251,7 @@ def all_gather_into_async(
         output.copy_(input)
         return None
     with Collective("all_gather", group, input):
-        if _sends_directly(group):
+        if sends_directly(group):
             work = direct_exchange.all_gather(output, input, group)
         else:
             work = _newest(_ALL_GATHER_NAMES)(output, input, group=group, async_op=True)

@@ -101,6 +101,9 @@ class GeminiEngine:
             compute_device,
             collectives.use_scatter_gather(config.communication, self.process_group),
             self.reduce_group,
+            # See manager.py [Note: chunk collectives per backend] for why gloo all-reduces gradients by default.
+            reduce_scatter=collectives.use_scatter_gather(config.communication, self.process_group)
+            and (config.communication == "scatter_gather" or not collectives.sends_directly(self.process_group)),
         )
         self.chunk_of: dict[int, tuple[Chunk, int]] = {
             id(parameter): (chunk, position)

@@ -7,7 +7,12 @@ engine's checkpoint and end-of-run paths in ``checkpoint_state``) decides *when*
 By default (``communication="auto"``) a gather all-gathers rank-major slots and copies them out into the chunk's
 parameter-major layout, and a gradient is staged into rank-major slots and reduce-scattered: NCCL's collectives, or
 on gloo the point-to-point exchanges of ``distributed/direct_exchange.py`` ([Note: exchanges per backend] in
-``distributed/collectives.py``). With ``communication="all_reduce"`` a gather writes this rank's rows into a zeroed
+``distributed/collectives.py``). One exception: on gloo, ``"auto"`` still all-reduces gradients. Reductions in
+backward retire when their handle reports completion (``complete_reductions``; they cannot be waited for before the
+last gather round, hooks.py [Note: gathering in rounds]), and gloo reports a point-to-point exchange complete only
+once it was waited for: every chunk's full gradient would stay in flight to the end of backward, the whole model
+instead of a few chunks (measured by ``test_working_set_is_a_few_chunks_not_the_model``). ``"scatter_gather"``
+forces the exchange anyway, so CPU tests cover the slot layout NCCL uses. With ``communication="all_reduce"`` a gather writes this rank's rows into a zeroed
 parameter-major buffer and all-reduces it (the rows partition every parameter, so the sum is the gathered chunk), and
 a gradient is all-reduced in its own layout, keeping the own rows. Both routes give identical results and both are
 tested. Both gathers can run ahead of the module that needs them (prefetch); the copy-out of the first happens in
@@ -64,8 +69,9 @@ class ChunkManager:
         plan: which chunks keep gathered / offload their optimizer / offload their parameter shards.
         process_group: the data-parallel ranks.
         compute_device: where modules run.
-        use_scatter_gather: see [Note: chunk collectives per backend].
+        use_scatter_gather: gather with an all-gather of slots ([Note: chunk collectives per backend]).
         reduce_group: the same ranks as ``process_group``, for gradient reductions ([Note: two groups]).
+        reduce_scatter: reduce gradients with a reduce-scatter of slots; ``use_scatter_gather`` when ``None``.
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class ChunkManager:
         compute_device: torch.device,
         use_scatter_gather: bool,
         reduce_group: ProcessGroup | None = None,
+        reduce_scatter: bool | None = None,
     ) -> None:
         self.process_group = process_group
         self.reduce_group = reduce_group if reduce_group is not None else process_group
@@ -88,6 +95,7 @@ class ChunkManager:
         self.compute_device = compute_device
         self.offload_device = torch.device("cpu")
         self.use_scatter_gather = use_scatter_gather
+        self.reduce_scatter = use_scatter_gather if reduce_scatter is None else reduce_scatter
         self.plan = plan
         self.chunks: list[Chunk] = []
         for spec, members in zip(specs, parameters, strict=True):
@@ -289,7 +297,7 @@ class ChunkManager:
 
     def _launch_reduction(self, chunk: Chunk, full: Tensor) -> None:
         """Start the collective of ``reduce`` and queue it (its handle keeps the activity label for the wait)."""
-        if self.use_scatter_gather and self.world_size > 1:
+        if self.reduce_scatter and self.world_size > 1:
             staging = torch.zeros(
                 self.world_size, chunk.spec.slot_numel, dtype=torch.float32, device=self.compute_device
             )
