@@ -142,7 +142,8 @@ class ZeroConfig:
             the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"`` accumulates full
             gradients and reduces once per step (stage-1 memory during accumulation, least communication).
         communication: ``"auto"`` or ``"scatter_gather"`` reduce-scatter gradients and all-gather parameters
-            (NCCL's collectives; point-to-point sends on gloo, about twice as fast there as its all-reduce);
+            (NCCL's collectives; point-to-point sends on gloo, where the all-gather is about twice as fast as an
+            all-reduce);
             ``"all_reduce"`` does both with all-reduces instead (same results, twice the bytes).
     """
 

@@ -15,7 +15,8 @@ flight] in ``in_flight.py``).
 Sharded engines need two exchanges: "each rank ends with the sum of its own rows" (a reduce-scatter) and "each rank
 ends with every rank's rows" (an all-gather). On NCCL they are NCCL's own collectives. On gloo its own reduce-scatter
 and all-gather are slower than even an all-reduce of twice the bytes, so both are built from point-to-point sends
-(``direct_exchange.py``, [Note: direct exchanges on gloo]), which measured about twice as fast as the all-reduce.
+(``direct_exchange.py``, [Note: direct exchanges on gloo]): the all-gather measured about twice as fast as the
+all-reduce it replaces, the reduce-scatter about as fast with half the bytes on the wire.
 The engines' ``communication`` setting can still force the all-reduce route (``"all_reduce"``): of the rank-major
 buffer, keeping this rank's slot (a reduce-scatter), or of a zeroed full buffer into which each rank wrote only its
 own rows (an all-gather: the rows partition the tensor, so the sum is the gathered tensor). ``use_scatter_gather``
