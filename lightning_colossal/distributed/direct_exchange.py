@@ -27,6 +27,7 @@ complete there. A receive waits at most the group's timeout, like any gloo colle
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,16 +37,22 @@ from torch.distributed import ProcessGroup
 class DirectExchange:
     """The sends and receives of one exchange; ``wait()`` waits for all of them, then runs ``finish`` once."""
 
-    __slots__ = ("_works", "_finish")
+    __slots__ = ("_works", "_finish", "_timeout")
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, works: list[dist.Work], timeout: timedelta | None, finish: Callable[[], None] | None = None
+    ) -> None:
         self._works = works
+        self._timeout = timeout
         self._finish = finish
 
     def wait(self) -> bool:
         works, self._works = self._works, []
         for work in works:
-            work.wait()
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
@@ -53,6 +60,15 @@ class DirectExchange:
 
     def is_completed(self) -> bool:
         return not self._works and self._finish is None
+
+
+def _timeout(group: ProcessGroup | None) -> timedelta | None:
+    """The group's collective timeout as it is now (``None`` where torch does not say: gloo's own default then)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _peers(rank: int, size: int) -> list[tuple[int, int]]:
@@ -70,7 +86,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     for send_to, receive_from in _peers(rank, size):
         works.append(dist.isend(source, group_dst=send_to, group=group))
         works.append(dist.irecv(slots[receive_from], group_src=receive_from, group=group))
-    return DirectExchange(works)
+    return DirectExchange(works, _timeout(group))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None) -> DirectExchange:
@@ -91,4 +107,4 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         for contribution in contributions[1:]:
             output.add_(contribution)
 
-    return DirectExchange(works, finish)
+    return DirectExchange(works, _timeout(group), finish)
