@@ -101,6 +101,7 @@ def export_huggingface(
     items = reader.read_metadata().state_dict_metadata
     prefix = description["prefix"] if description is not None else _common_prefix(items)
     names = _weight_names(checkpoint, items, prefix)
+    _refuse_adapter_layers(checkpoint, names)
     output.mkdir(parents=True, exist_ok=True)
     atomic.write_file_atomically(output / "config.json", config_json.encode())
     if description is not None and "generation_config" in description:
@@ -119,6 +120,21 @@ def _weight_names(checkpoint: str | Path, items: dict[str, Any], prefix: str) ->
     if not names:
         raise ValueError(f"{checkpoint} holds no weights under {prefix!r}: it is not a checkpoint of this model.")
     return names
+
+
+def _refuse_adapter_layers(checkpoint: str | Path, names: list[str]) -> None:
+    """Refuse a model whose layers a PEFT adapter (LoRA) replaced: ``from_pretrained`` of the base class would find
+    ``q_proj.base_layer.weight`` and ``q_proj.lora_A.default.weight`` where it looks for ``q_proj.weight``, and
+    initialise those layers at random with only a warning."""
+    adapted = [name for name in names if ".base_layer." in name or ".lora_" in name]
+    if adapted:
+        raise ValueError(
+            f"{checkpoint} holds a model with PEFT adapter layers ({adapted[0]}, {len(adapted)} such tensors):"
+            " a Hugging Face directory of it would not load into the base model class. Load the module with"
+            " `Module.load_from_checkpoint(path)`, then either save the adapter alone (`peft_model.save_pretrained"
+            "(directory)`) or merge it into the base weights first (`peft_model.merge_and_unload().save_pretrained"
+            "(directory)`)."
+        )
 
 
 def _write_weight_files(

@@ -9,6 +9,8 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 
+from lightning_colossal.checkpoint.huggingface import export_huggingface
+
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
@@ -363,6 +365,11 @@ def test_lora_resumes_loads_and_exports_the_adapter(rank_pool_2, tmp_path, oracl
     torch.testing.assert_close(
         {name: tensor.float() for name, tensor in loaded.state_dict().items()}, resumed, rtol=0, atol=0
     )
+
+    # A whole-model Hugging Face export would not load into the base class: refused before writing anything.
+    with pytest.raises(ValueError, match=r"PEFT adapter layers .*merge_and_unload"):
+        export_huggingface(tmp_path / "epoch2.ckpt", tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
 
     # The adapter alone: LoRA tensors only, whole, loadable onto the untouched base model.
     from safetensors.torch import load_file
