@@ -26,6 +26,7 @@ own (``zero/stages.py``, ``gemini/manager.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -245,18 +246,24 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: ProcessGro
 
 
 def all_gather_into_async(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None = None,
+    then: Callable[[], None] | None = None,
 ) -> RecordedWork | None:
-    """Start ``all_gather_into``; returns the handle to ``wait()`` on (``None`` when alone: already done)."""
+    """Start ``all_gather_into``; returns the handle to ``wait()`` on (``None`` when alone: already done). ``then``
+    runs once ``output`` is complete: in the handle's first ``wait()``, or here when there is nothing to wait for."""
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
+        if then is not None:
+            then()
         return None
     with Collective("all_gather", group, input):
         if sends_directly(group):
             work = direct_exchange.all_gather(output, input, group)
         else:
             work = _newest(_ALL_GATHER_NAMES)(output, input, group=group, async_op=True)
-    return RecordedWork(work, "all_gather", group, input)
+    return RecordedWork(work, "all_gather", group, input, then)
 
 
 def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:

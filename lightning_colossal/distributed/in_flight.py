@@ -111,20 +111,33 @@ class Activity:
 
 class RecordedWork:
     """The handle of an asynchronous collective of ``collectives.py``; ``wait()`` records it as the collective in
-    flight, with the activity labels of its launch."""
+    flight, with the activity labels of its launch, and then runs what the caller asked to follow it."""
 
-    __slots__ = ("work", "_name", "_group", "_tensor", "_labels")
+    __slots__ = ("work", "_name", "_group", "_tensor", "_labels", "_then")
 
-    def __init__(self, work: dist.Work, name: str, group: Any, tensor: torch.Tensor) -> None:
+    def __init__(
+        self,
+        work: dist.Work,
+        name: str,
+        group: Any,
+        tensor: torch.Tensor,
+        then: Callable[[], None] | None = None,
+    ) -> None:
         self.work = work
         self._name = name
         self._group = group
         self._tensor = tensor
         self._labels = tuple(_labels)
+        self._then = then
 
     def wait(self) -> bool:
+        """Wait for the collective, then run the ``then`` given at launch (once, on the first wait)."""
         with Collective(self._name, self._group, self._tensor, self._labels):
-            return self.work.wait()
+            result = self.work.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+        return result
 
     def is_completed(self) -> bool:
         return self.work.is_completed()

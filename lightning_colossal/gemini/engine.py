@@ -93,16 +93,17 @@ class GeminiEngine:
         self.auto = isinstance(config.placement, AutoPlacement)
         # Gradient reductions get their own group: see manager.py [Note: two groups].
         self.reduce_group = collectives.new_group_like(self.process_group, timeout) if self.world_size > 1 else None
+        scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
         self.manager = ChunkManager(
             specs,
             _parameters_by_chunk(specs, chunked, self.names_of),
             self._plan(specs, chunked),
             self.process_group,
             compute_device,
-            collectives.use_scatter_gather(config.communication, self.process_group),
+            scatter_gather,
             self.reduce_group,
             # See manager.py [Note: chunk collectives per backend] for why gloo all-reduces gradients by default.
-            reduce_scatter=collectives.use_scatter_gather(config.communication, self.process_group)
+            reduce_scatter=scatter_gather
             and (config.communication == "scatter_gather" or not collectives.sends_directly(self.process_group)),
         )
         self.chunk_of: dict[int, tuple[Chunk, int]] = {

@@ -184,7 +184,7 @@ class ChunkManager:
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
 
-    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | _ThenCopyRows | None:
+    def _exchange_rows(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | None:
         """Start filling the zeroed ``full`` with every rank's rows of ``chunk``, this rank giving its shard
         ``source`` ([Note: chunk collectives per backend]); returns the handle to wait on (``None``: done)."""
         if self.use_scatter_gather:
@@ -193,7 +193,7 @@ class ChunkManager:
             own_rows_into_whole(chunk.member_shard(source, member), member.spec, _flat_member(full, member))
         return collectives.all_reduce_async(full, group=self.process_group)
 
-    def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> _ThenCopyRows | None:
+    def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | None:
         slot = chunk.spec.slot_numel
         send = torch.zeros(slot, dtype=source.dtype, device=self.compute_device)
         for member in chunk.spec.members:
@@ -201,17 +201,13 @@ class ChunkManager:
                 chunk.member_shard(source, member).reshape(-1)
             )
         slots = torch.empty(self.world_size * slot, dtype=source.dtype, device=self.compute_device)
-        work = collectives.all_gather_into_async(slots, send, group=self.process_group)
 
         def copy_rows() -> None:
             rank_major = slots.view(self.world_size, slot)
             for member in chunk.spec.members:
                 rows_from_slots(rank_major, member.slot_offset, member.spec, _flat_member(full, member))
 
-        if work is None:
-            copy_rows()
-            return None
-        return _ThenCopyRows(work, copy_rows)
+        return collectives.all_gather_into_async(slots, send, group=self.process_group, then=copy_rows)
 
     def _point_parameters(self, chunk: Chunk) -> None:
         assert chunk.full is not None
@@ -393,22 +389,6 @@ def _flat_member(full: Tensor, member: ChunkMember) -> Tensor:
 
 def chunk_gradient_bytes(chunk: Chunk) -> int:
     return chunk.spec.numel * 4  # full gradients are fp32
-
-
-class _ThenCopyRows:
-    """An all-gather of rank-major slots in flight; ``wait()`` also copies the rows into the chunk's layout."""
-
-    __slots__ = ("_work", "_copy_rows")
-
-    def __init__(self, work: RecordedWork, copy_rows: Callable[[], None]) -> None:
-        self._work = work
-        self._copy_rows: Callable[[], None] | None = copy_rows
-
-    def wait(self) -> None:
-        self._work.wait()
-        copy_rows, self._copy_rows = self._copy_rows, None
-        if copy_rows is not None:
-            copy_rows()
 
 
 class _PendingReduction(NamedTuple):
