@@ -128,15 +128,22 @@ def _strategy(spec: dict[str, Any] | str) -> Any:
 
 
 COLLECTIVE_CALLS = [0]
-# Point-to-point sends count too: on gloo the engines' reduce-scatters and all-gathers are built from them.
-COUNTED_COLLECTIVES = (
-    "all_reduce",
-    "reduce_scatter_single",
-    "all_gather_single",
-    "all_gather",
-    "broadcast",
-    "isend",
-    "irecv",
+# Point-to-point sends count too: on gloo the engines' reduce-scatters and all-gathers are built from them. Flat
+# collectives under either of torch's names, whichever this torch has.
+COUNTED_COLLECTIVES = tuple(
+    name
+    for name in (
+        "all_reduce",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "all_gather",
+        "broadcast",
+        "isend",
+        "irecv",
+    )
+    if hasattr(torch.distributed, name)
 )
 
 
