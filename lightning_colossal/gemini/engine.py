@@ -13,6 +13,7 @@ The engine builds the chunks and is what the strategy talks to. The pieces it co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -31,7 +32,7 @@ from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.gemini import checkpoint_state
 from lightning_colossal.gemini.chunk import Chunk, Location
-from lightning_colossal.gemini.eviction import Evictor
+from lightning_colossal.gemini.eviction import Evictor, compute_budget
 from lightning_colossal.gemini.hooks import ChunkHooks
 from lightning_colossal.gemini.initialise import materialise_chunks
 from lightning_colossal.gemini.layout import ChunkSpec, build_layout, check_chunk_numel, search_chunk_numel
@@ -155,10 +156,9 @@ class GeminiEngine:
         )
 
     def _plan(self, specs: list[ChunkSpec], chunked: list[nn.Parameter]) -> PlacementPlan:
-        if self.auto:
-            return auto_plan(len(specs))
         placement = self.config.placement
-        assert not isinstance(placement, AutoPlacement)
+        if isinstance(placement, AutoPlacement):
+            return auto_plan(len(specs), budgeted=math.isfinite(compute_budget(placement, self.compute_device)))
         element_size = chunked[0].element_size() if chunked else 4
         plan = static_plan([spec.numel * element_size for spec in specs], placement)
         # Optimizer offloading is a share of the optimizer's bytes: frozen chunks have none, so they do not count.

@@ -41,7 +41,7 @@ class Evictor:
         self.tracer = tracer
         self.placement = placement
         self.resident_bytes = resident_bytes
-        self.budget = _budget(placement, compute_device)
+        self.budget = compute_budget(placement, compute_device)
         self.evictions = 0  # chunks moved off the compute device so far
 
     def make_room(self, needed: frozenset[int], position: int) -> None:
@@ -109,7 +109,7 @@ def _full_bytes(chunk: Chunk) -> int:
     return chunk.spec.numel * chunk.shard.element_size()
 
 
-def _budget(placement: AutoPlacement, compute_device: torch.device) -> float:
+def compute_budget(placement: AutoPlacement, compute_device: torch.device) -> float:
     """Bytes of compute memory the model may use: the placement's budget, else the whole device (none on CPU)."""
     if placement.compute_memory_budget is not None:
         return float(placement.compute_memory_budget)

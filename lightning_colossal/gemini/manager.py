@@ -105,13 +105,19 @@ class ChunkManager:
                     f"chunk {spec.index} mixes parameter dtypes {sorted({str(p.dtype) for p in members})}: Gemini"
                     " chunks hold one dtype. Cast the model to one dtype (the precision plugin does this)."
                 )
-            shard_location = Location.OFFLOAD if spec.index in plan.offload_parameters else Location.COMPUTE
+            starts_offloaded = spec.index in plan.offload_parameters or spec.index in plan.start_offloaded
+            shard_location = Location.OFFLOAD if starts_offloaded else Location.COMPUTE
             master_location = Location.OFFLOAD if spec.index in plan.offload_optimizer else Location.COMPUTE
             if spec.frozen:
                 master_location = shard_location  # nothing steps a frozen chunk: layout.py [Note: frozen chunks]
             shard = torch.zeros(spec.shard_numel, dtype=dtype, device=self.device_of(shard_location))
+            # A shard that automatic placement will bring onto the compute device cannot share storage with a
+            # master the optimizer keeps on the CPU.
+            will_move = spec.index in plan.start_offloaded and self.offload_device != compute_device
             if spec.frozen or (
-                dtype == torch.float32 and self.device_of(shard_location) == self.device_of(master_location)
+                dtype == torch.float32
+                and self.device_of(shard_location) == self.device_of(master_location)
+                and not will_move
             ):
                 # An fp32 shard is its own master: no second copy (see chunk.py ``Chunk``); a frozen shard, of any
                 # dtype, is never stepped, so its "master" (what checkpoints read and load) is the shard itself.
@@ -255,10 +261,14 @@ class ChunkManager:
             return
         device = self.device_of(location)
         if device != chunk.shard.device:
-            if chunk.masters_alias_shard:
-                # Placement never asks for this: an aliased master lives where its shard lives by construction.
+            if chunk.masters_alias_shard and not chunk.frozen:
+                # Placement never asks for this: the optimizer holds views of an aliased master, so it must stay.
                 raise RuntimeError(f"chunk {chunk.index}: cannot move a shard that is its own master across devices.")
             chunk.shard = chunk.shard.to(device, non_blocking=True)
+            if chunk.frozen:
+                # A frozen chunk's shard is its master (nothing steps it); checkpoints read the views, so they follow.
+                chunk.master = chunk.shard
+                chunk.master_views = [chunk.member_shard(chunk.shard, member) for member in chunk.spec.members]
         chunk.shard_location = location
 
     # ---------------------------------------------------------------------------------------------- gradients

@@ -16,11 +16,17 @@ from lightning_colossal.config import StaticPlacement
 
 
 class PlacementPlan(NamedTuple):
-    """Chunk indices per decision."""
+    """Chunk indices per decision.
+
+    ``offload_parameters`` park their shards on the CPU for good (static placement); ``start_offloaded`` only start
+    there, and automatic placement brings each onto the compute device when a module first needs it, as the budget
+    allows.
+    """
 
     keep_gathered: frozenset[int]
     offload_optimizer: frozenset[int]
     offload_parameters: frozenset[int]
+    start_offloaded: frozenset[int] = frozenset()
 
 
 def leading_share(chunk_bytes: Sequence[int], fraction: float) -> frozenset[int]:
@@ -50,9 +56,13 @@ def static_plan(chunk_bytes: Sequence[int], placement: StaticPlacement) -> Place
     )
 
 
-def auto_plan(num_chunks: int) -> PlacementPlan:
-    """Automatic placement starts with every optimizer on the CPU and every parameter shard on the device."""
-    return PlacementPlan(frozenset(), frozenset(range(num_chunks)), frozenset())
+def auto_plan(num_chunks: int, budgeted: bool) -> PlacementPlan:
+    """Automatic placement puts every optimizer on the CPU. Under a budget (``budgeted``) every parameter shard starts
+    on the CPU too and comes onto the device when a module first needs it: all shards on the device at once could
+    already exceed the budget (a model of 4 bytes per element larger than the device) before the first eviction.
+    Without a budget (the CPU's default) the shards start on the device, where they are used."""
+    everything = frozenset(range(num_chunks))
+    return PlacementPlan(frozenset(), everything, frozenset(), everything if budgeted else frozenset())
 
 
 def next_use_distance(sequence: Sequence[frozenset[int]], position: int, chunk: int) -> float:

@@ -220,3 +220,64 @@ def test_auto_placement_traces_activations_without_the_gathered_weights(rank_poo
     for result in rank_pool_2.run(traced_activations_body):
         assert result["eager"] > 0
         assert result["traced"] == result["eager"], result
+
+
+class DeviceBytesProbe(Callback):
+    """The most model bytes the engine places on the compute device, sampled around every module of every step."""
+
+    def __init__(self) -> None:
+        self.peaks: list[int] = []
+        self.losses: list[float] = []
+        self.shard_bytes = 0
+
+    def sample(self, engine: Any) -> None:
+        self.peaks[-1] = max(self.peaks[-1], engine.memory_report().chunks.compute)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        engine = trainer.strategy.engine
+        if not self.peaks:
+            self.shard_bytes = engine.memory_report().chunks.shard
+            for submodule in pl_module.modules():
+                submodule.register_forward_pre_hook(lambda *_: self.sample(engine))
+                submodule.register_forward_hook(lambda *_: self.sample(engine))
+        self.peaks.append(0)
+        self.sample(engine)
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        self.sample(trainer.strategy.engine)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def budgeted_gpt_body(budget: int | None) -> dict[str, Any]:
+    from lightning.pytorch import seed_everything
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal.demo.data import RandomTokenDataset
+    from lightning_colossal.demo.module import GPTLightningModule
+
+    seed_everything(3, verbose=False)
+    # Wide and short, so that the weights outweigh the activations (which automatic placement budgets for too).
+    module = GPTLightningModule(vocab_size=64, block_size=8, num_layers=8, num_heads=4, embed_dim=128, warmup_steps=2)
+    loader = DataLoader(RandomTokenDataset(num_samples=8, block_size=8, vocab_size=64, seed=5), batch_size=1)
+    probe = DeviceBytesProbe()
+    strategy = GeminiStrategy(placement=AutoPlacement(compute_memory_budget=budget), chunk_numel=65536)
+    trainer = quiet_trainer(
+        strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=3, callbacks=[probe]
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return {"peaks": probe.peaks, "shard_bytes": probe.shard_bytes, "losses": probe.losses}
+
+
+def test_auto_placement_keeps_the_first_step_within_a_budget_smaller_than_the_shards(rank_pool_2):
+    # Every shard on the device before the first eviction would already exceed this budget (the model's 4 bytes per
+    # element per rank are ~1.6x it), so the shards start on the CPU and come onto the device as modules need them.
+    budget = 2_000_000
+    budgeted = rank_pool_2.run(budgeted_gpt_body, budget)
+    unbounded = rank_pool_2.run(budgeted_gpt_body, None)
+    for result, reference in zip(budgeted, unbounded, strict=True):
+        assert result["shard_bytes"] > 1.5 * budget, result
+        assert 0 < max(result["peaks"]) <= budget, result["peaks"]
+        assert reference["peaks"][0] >= result["shard_bytes"], "without a budget the shards stay on the device"
+        assert result["losses"] == reference["losses"]

@@ -81,9 +81,16 @@ def test_static_plan_extreme_fractions():
     assert static_plan(CHUNK_BYTES, placement) == PlacementPlan(nothing, everything, everything)
 
 
-def test_auto_plan_offloads_every_optimizer_and_keeps_parameters_on_the_device():
-    assert auto_plan(3) == PlacementPlan(frozenset(), frozenset({0, 1, 2}), frozenset())
-    assert auto_plan(0) == PlacementPlan(frozenset(), frozenset(), frozenset())
+def test_auto_plan_offloads_every_optimizer_and_keeps_parameters_on_the_device_without_a_budget():
+    assert auto_plan(3, budgeted=False) == PlacementPlan(frozenset(), frozenset({0, 1, 2}), frozenset(), frozenset())
+    assert auto_plan(0, budgeted=False) == PlacementPlan(frozenset(), frozenset(), frozenset(), frozenset())
+
+
+def test_auto_plan_under_a_budget_starts_every_shard_off_the_device_but_parks_none():
+    plan = auto_plan(3, budgeted=True)
+    assert plan.start_offloaded == frozenset({0, 1, 2})
+    assert plan.offload_parameters == frozenset(), "parked shards could never come back onto the device"
+    assert plan.offload_optimizer == frozenset({0, 1, 2})
 
 
 # ---------------------------------------------------------------------------------------------------------------
