@@ -48,6 +48,7 @@ from lightning_colossal.checkpoint.sharded import (
     save_sharded,
     saved_shapes,
 )
+from lightning_colossal.distributed import collectives
 from lightning_colossal.strategies._lightning_private import _collect_rng_states, _set_rng_states, lightning_load
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 from lightning_colossal.strategies.processes import ProcessGroupMixin
@@ -125,7 +126,7 @@ class CheckpointingMixin(ProcessGroupMixin):
                 " its own sharded format. Drop storage_options."
             )
         path = Path(self.broadcast(str(filepath)))
-        tensor_state: dict[str, Any] = {MODEL_KEY: checkpoint.pop("state_dict")}
+        tensor_state: dict[str, Any] = {MODEL_KEY: self._with_first_replica_buffers(checkpoint.pop("state_dict"))}
         optimizer_states = checkpoint.pop("optimizer_states", None)
         for index, state in enumerate(optimizer_states or []):
             tensor_state[optimizer_key(index)] = state
@@ -142,6 +143,33 @@ class CheckpointingMixin(ProcessGroupMixin):
             # What `consolidate --format huggingface` needs to write a from_pretrained directory.
             checkpoint[FORMAT_KEY][HUGGINGFACE_KEY] = huggingface
         save_sharded(path, tensor_state, checkpoint)
+
+    def _with_first_replica_buffers(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """``model_state`` with every buffer replaced by a copy of the first data-parallel replica's value.
+
+        [Note: buffers in checkpoints]
+        Buffers such as BatchNorm's running statistics are updated from each rank's own batches, so replicas hold
+        different values. DCP writes each replicated tensor once, from whichever rank its planner picks, so without
+        this a checkpoint could hold one layer's mean from rank 1 and its variance from rank 0. Lightning's ddp saves
+        rank 0's module; so do these strategies, per pipeline stage. The live buffers are not touched.
+        """
+        assert self.lightning_module is not None
+        if self.world_size == 1:
+            return model_state
+        group = self.device_mesh["dp"].get_group()
+        if collectives.world_size(group) == 1:
+            return model_state
+        buffer_names = {name for name, _ in self.lightning_module.named_buffers()}
+        state = dict(model_state)
+        # Sorted, so every rank of the group broadcasts the same buffers in the same order.
+        for name in sorted(buffer_names.intersection(state)):
+            value = state[name]
+            if isinstance(value, DTensor) or not isinstance(value, Tensor):
+                continue
+            first_replica = value.detach().clone()
+            collectives.broadcast_tensor(first_replica, source_rank=0, group=group)
+            state[name] = first_replica
+        return state
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         # A checkpoint is its file and its shards directory (see checkpoint/layout.py); Lightning would delete the file.

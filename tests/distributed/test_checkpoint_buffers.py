@@ -1,0 +1,77 @@
+"""Buffers that differ between ranks (BatchNorm's running statistics, updated from each rank's own batches) reach the
+checkpoint whole from one replica, the first, as Lightning's ddp saves rank 0's module: never one layer's mean from
+one rank and its variance from another. See [Note: buffers in checkpoints] in ``strategies/checkpointing.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_colossal.checkpoint import consolidate
+from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec, build_strategy
+from tests.distributed.oracle import quiet_trainer
+
+
+class BatchNormModule(LightningModule):
+    """Two BatchNorm layers; each rank's batches have their own scale, so the running statistics differ by rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 1)
+        )
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        rank = self.trainer.global_rank
+        generator = torch.Generator().manual_seed(100 + rank)
+        batches = [(torch.randn(8, 4, generator=generator) * (1 + 3 * rank), torch.randn(8, 1)) for _ in range(3)]
+        return DataLoader(batches, batch_size=None)
+
+
+def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(0, verbose=False)
+    module = BatchNormModule()
+    kind, arguments = spec
+    trainer = quiet_trainer(
+        strategy=HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec),
+        devices=torch.distributed.get_world_size(),
+        max_steps=3,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    return {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [DDP, ZERO1, ZERO2, FSDP, GEMINI, ("hybrid", {"zero_stage": 1})],
+    ids=lambda spec: f"{spec[0]}{spec[1].get('stage', '')}",
+)
+def test_checkpoint_holds_the_first_replicas_buffers_whole(rank_pool_2, tmp_path, spec):
+    path = tmp_path / "model.ckpt"
+    first, second = rank_pool_2.run(save_body, spec, str(path))
+    running = [name for name in first if name.endswith(("running_mean", "running_var"))]
+    assert len(running) == 4
+    assert all(not torch.equal(first[name], second[name]) for name in running), "the ranks' statistics must differ"
+    saved = torch.load(consolidate(path, tmp_path / "weights.pt", weights_only=True), weights_only=True)
+    for name, buffer in first.items():
+        torch.testing.assert_close(saved[name], buffer, rtol=0, atol=0, msg=name)
+    # The file next to the shards (what load_from_checkpoint reads) holds the same.
+    loaded = BatchNormModule.load_from_checkpoint(path)
+    for name, buffer in first.items():
+        torch.testing.assert_close(loaded.get_buffer(name), buffer, rtol=0, atol=0, msg=name)
