@@ -72,6 +72,9 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, Any], str]] = {
     "colossal_zero1_scatter_gather": ("colossal_zero1", {"communication": "scatter_gather"}, "zero"),
     "colossal_zero2_all_reduce": ("colossal_zero2", {"communication": "all_reduce"}, "zero"),
     "colossal_zero2_scatter_gather": ("colossal_zero2", {"communication": "scatter_gather"}, "zero"),
+    # The default route ("auto"): on gloo, point-to-point gathers (and ZeRO's reduce-scatter), see collectives.py.
+    "colossal_zero2": ("colossal_zero2", {}, "zero"),
+    "colossal_gemini": ("colossal_gemini", {}, "zero3"),
     "colossal_gemini_all_reduce": ("colossal_gemini", {"communication": "all_reduce"}, "zero3"),
     "colossal_gemini_scatter_gather": ("colossal_gemini", {"communication": "scatter_gather"}, "zero3"),
     # The chunk-size search packs this model into one chunk, which stays gathered from forward into backward; chunks

@@ -504,3 +504,14 @@ def test_deepspeed_config_is_fp32_with_lightning_s_zero_defaults_under_the_confi
     assert config["zero_optimization"]["allgather_bucket_size"] == 200_000_000
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["zero_allow_untested_optimizer"]
     assert not {"fp16", "bf16", "optimizer", "scheduler"} & config.keys()  # fp32; torch's AdamW is the client optimizer
+
+
+def test_compute_floor_deals_every_parameter_to_exactly_one_rank_and_balances_the_elements() -> None:
+    from benchmarks.compute_floor import rank_share
+
+    sizes = [4_194_304, 512, 262_144, 786_432, 512, 1_048_576, 262_144, 4_194_304]
+    shares = [rank_share(sizes, 2, rank) for rank in range(2)]
+    assert sorted(shares[0] + shares[1]) == list(range(len(sizes)))
+    loads = [sum(sizes[index] for index in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= max(sizes[index] for index in range(len(sizes)) if sizes[index] < 4_194_304)
+    assert rank_share(sizes, 1, 0) == list(range(len(sizes)))
