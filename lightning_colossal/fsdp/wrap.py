@@ -101,10 +101,16 @@ def shard_model(
         use_direct_exchange(sharded, mesh)
         return sharded
 
+    # Innermost first: fully_shard of a unit must come after the units nested in it (ConvNext declares both its
+    # stages and the layers inside them in `_no_split_modules`).
+    roots = parameter_holding_children(module)
     blocks = [
         submodule
-        for submodule in module.modules()
-        if submodule is not module and is_block(submodule) and not _shares_parameters_outside(submodule, module)
+        for submodule in _modules_innermost_first(module)
+        if submodule is not module
+        and not any(submodule is root for root in roots)  # a root is sharded once, below, whatever its class
+        and is_block(submodule)
+        and not _shares_parameters_outside(submodule, module)
     ]
     for block in blocks:
         if activation_checkpointing:
@@ -115,7 +121,24 @@ def shard_model(
                 # The composable form keeps parameter names unchanged (a wrapper module would rename every key).
                 checkpoint(block)
         shard(block)
-    return [shard(child) for child in parameter_holding_children(module)]
+    return [shard(root) for root in roots]
+
+
+def _modules_innermost_first(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its descendants, each after every module nested in it, siblings in definition order."""
+    ordered: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(current: nn.Module) -> None:
+        if id(current) in seen:
+            return
+        seen.add(id(current))
+        for child in current.children():
+            visit(child)
+        ordered.append(current)
+
+    visit(module)
+    return ordered
 
 
 def _shares_parameters_outside(block: nn.Module, module: nn.Module) -> bool:

@@ -549,3 +549,48 @@ def test_on_gloo_fsdp2_gathers_and_reduces_through_the_point_to_point_exchanges(
         if not result["torch_takes_custom_comms"]:
             pytest.skip("this torch has no FSDPModule.set_custom_all_gather")
         assert result["all_gather"] > 0 and result["reduce_scatter"] > 0, result
+
+
+class NestedBlocksModule(RegressionModule):
+    """Blocks inside blocks, both declared in `_no_split_modules` (as Hugging Face's ConvNext declares its stages and
+    their layers), and a policy naming the root's own class: each unit must be sharded once, innermost first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        stage = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+        stage._no_split_modules = ["Linear", "Sequential"]  # type: ignore[assignment]
+        self.model = nn.Sequential(stage, nn.Sequential(nn.Linear(8, 1)))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def new_nested_blocks_module() -> NestedBlocksModule:
+    from lightning.pytorch import seed_everything
+
+    seed_everything(1, verbose=False)
+    return NestedBlocksModule()
+
+
+def nested_blocks_body(strategy_name: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    module = new_nested_blocks_module()
+    if strategy_name == "fsdp":
+        strategy: Any = ColossalFSDPStrategy(keep_weights_sharded=True)
+    else:
+        strategy = ColossalDDPStrategy()
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=4)
+    trainer.fit(module)
+    units = sorted(name for name, submodule in module.named_modules() if isinstance(submodule, FSDPModule))
+    return {"units": units, "parameters": float_state(module)}
+
+
+def test_blocks_nested_in_blocks_are_sharded_innermost_first_and_train_like_ddp(rank_pool_2):
+    sharded = rank_pool_2.run(nested_blocks_body, "fsdp")[0]
+    replicated = rank_pool_2.run(nested_blocks_body, "ddp")[0]
+    assert sharded["units"] == ["model", "model.0", "model.0.0", "model.0.2", "model.1", "model.1.0"]
+    initial = new_nested_blocks_module().state_dict()
+    assert any(not torch.equal(initial[name], value) for name, value in replicated["parameters"].items())
+    for name, value in replicated["parameters"].items():
+        torch.testing.assert_close(sharded["parameters"][name], value, **FP32, msg=name)
