@@ -43,6 +43,9 @@ from lightning_colossal.parallel.tensor_parallel import (
     shard_of,
 )
 
+#: The key of the one mask of a model whose config has no ``layer_types`` (see ``_causal_masks``).
+EVERY_LAYER = "every_layer"
+
 #: ``config.model_type`` of the decoders whose base forward is embed -> rotary + mask -> layers -> norm.
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -235,7 +238,7 @@ def _run_layers(
     """Decoder layers ``(index in the whole model, layer)`` in order, each with the mask of its attention type."""
     layer_types = getattr(config, "layer_types", None)
     for index, layer in layers:
-        mask = masks[layer_types[index] if layer_types else "full_attention"]
+        mask = masks[layer_types[index] if layer_types else EVERY_LAYER]
         output = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
         hidden = output[0] if isinstance(output, tuple) else output
     return hidden
@@ -245,12 +248,21 @@ def _causal_masks(
     config: Any, hidden: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None
 ) -> dict[str, Any]:
     """The masks the base model's forward builds (``None`` where attention can use ``is_causal``), by attention
-    type; ``attention_mask`` marks padding."""
+    type (``EVERY_LAYER`` for a model without ``layer_types``); ``attention_mask`` marks padding.
+
+    The families name sliding windows two ways, and each forward reads its own: per layer in ``config.layer_types``
+    (Qwen2, Qwen3, Gemma), or, without ``layer_types``, one mask for every layer that is windowed whenever
+    ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "past_key_values": None}
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        windowed = getattr(config, "sliding_window", None) is not None
+        mask_function = create_sliding_window_causal_mask if windowed else create_causal_mask
+        return {EVERY_LAYER: mask_function(**arguments, position_ids=position_ids)}
     masks = {"full_attention": create_causal_mask(**arguments, position_ids=position_ids)}
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if "sliding_attention" in layer_types:
         masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments, position_ids=position_ids)
     return masks
 

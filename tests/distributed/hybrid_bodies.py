@@ -41,7 +41,7 @@ def gpt_config(**overrides: Any) -> Any:
 
 
 def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
-    """The demo GPT, or a tiny Hugging Face Llama, GPT-2 or BERT built from a config (no download)."""
+    """The demo GPT, or a tiny Hugging Face Llama, Mistral, GPT-2 or BERT built from a config (no download)."""
     torch.manual_seed(MODEL_SEED)
     if kind == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -90,6 +90,23 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
             attn_implementation="eager",
         )
         return LlamaForCausalLM(config)
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        # A window shorter than the sequence: Mistral's forward builds a sliding-window mask for every layer.
+        mistral_config = MistralConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=overrides.get("num_layers", 2),
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQUENCE,
+            sliding_window=overrides.get("sliding_window", 3),
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+        return MistralForCausalLM(mistral_config)
     from lightning_colossal.demo.model import GPT
 
     return GPT(gpt_config(**overrides))

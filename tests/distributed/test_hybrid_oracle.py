@@ -113,6 +113,7 @@ HUGGING_FACE_CASES_2 = {
     "gpt2_tp2": ("gpt2", {"tp_size": 2}, {}),
     "bert_tp2": ("bert", {"tp_size": 2}, {}),
     "llama_pp2": ("llama", {"pp_size": 2, "num_microbatches": 2}, {}),
+    "mistral_sliding_window_pp2": ("mistral", {"pp_size": 2, "num_microbatches": 2}, {}),
     "llama_tied_pp2_interleaved": (
         "llama",
         {"pp_size": 2, "num_microbatches": 2, "pp_schedule": "interleaved", "num_model_chunks": 2},
@@ -149,6 +150,7 @@ def test_huggingface_llama_own_loss_with_vocabulary_parallel_head(rank_pool_2):
 HUGGING_FACE_SPLIT_GATHER = {
     "untied_own_loss": {"kind": "llama", "model_loss": True},
     "tied": {"kind": "llama", "tie_weights": True},
+    "mistral_sliding_window": {"kind": "mistral"},
 }
 
 
@@ -160,8 +162,7 @@ def test_huggingface_llama_split_gather_sequence_parallelism(rank_pool_2, case):
     module_kwargs = HUGGING_FACE_SPLIT_GATHER[case]
     strategy_kwargs = {"tp_size": 2, "sequence_parallel": "split_gather"}
     results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, module_kwargs, timeout=300)
-    oracle_kwargs = {key: value for key, value in module_kwargs.items() if key != "kind"}
-    _assert_matches(results, bodies.oracle(1, STEPS, kind="llama", **oracle_kwargs))
+    _assert_matches(results, bodies.oracle(1, STEPS, **module_kwargs))
 
 
 def test_huggingface_llama_tp2_pp2(rank_pool_4):
