@@ -122,7 +122,9 @@ class ChunkHooks:
         self.tracer = tracer
         self.evictor = evictor
         self.prefetcher = prefetcher
+        # Chunks gathered for a module's forward, and for its backward ([Note: weights read by the parent]).
         self._module_chunks: dict[int, frozenset[int]] = {}
+        self._backward_chunks: dict[int, frozenset[int]] = {}
         # Modules with chunks below them whose forward is running ([Note: the end of a forward]).
         self._forward_depth = 0
         self._handles: list[RemovableHandle] = []
@@ -141,11 +143,16 @@ class ChunkHooks:
         for module_id, submodule in enumerate(module.modules()):
             chunks = frozenset(
                 self.chunk_of[id(parameter)][0].index
-                for parameter in submodule.parameters(recurse=False)
+                for parameter in _parameters_its_forward_may_read(submodule)
                 if id(parameter) in self.chunk_of
             )
             if chunks:  # its hooks also bracket its forward ([Note: the end of a forward])
                 self._module_chunks[module_id] = chunks
+                self._backward_chunks[module_id] = frozenset(
+                    self.chunk_of[id(parameter)][0].index
+                    for parameter in submodule.parameters(recurse=False)
+                    if id(parameter) in self.chunk_of
+                )
                 self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
                 self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
             elif any(id(parameter) in self.chunk_of for parameter in submodule.parameters()):
@@ -221,7 +228,7 @@ class ChunkHooks:
                 if chunk.users == 0 and chunk.state is ChunkState.COMPUTING:
                     chunk.move(ChunkState.GATHERED)
             self.tracer.forward_ended(module_id)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not self._backward_chunks[module_id]:
             return
         tensors = [tensor for tensor in _tensors_in(output) if tensor.requires_grad]
         if tensors:
@@ -301,7 +308,7 @@ class ChunkHooks:
     # ---------------------------------------------------------------------------------------------- backward
     def _before_backward(self, module_id: int) -> None:
         self._queue_end_of_backward()
-        needed = self._module_chunks[module_id]
+        needed = self._backward_chunks[module_id]
         position = self._trace("backward", module_id, needed)
         self._make_room(needed, position)
         # Chunks reduced already (their gradients were complete): nothing here needs their weights again.
@@ -413,6 +420,26 @@ class ChunkHooks:
         received = sharded_state.received_on_any_rank(self.received, self.process_group)
         self.manager.attach_master_gradients(lambda parameter: received[self._flag_of[id(parameter)]])
         self.tracer.finish()
+
+
+def _parameters_its_forward_may_read(module: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters gathered for ``module``'s forward and backward: its own, and, when every child is a leaf
+    module, the children's too.
+
+    [Note: weights read by the parent]
+    A module's forward may read a child's weight without calling the child: Hugging Face's CLIP text embeddings read
+    ``self.position_embedding.weight.shape[0]``, where an empty placeholder would give 0. The modules of leaves
+    (embeddings, an attention's or MLP's projections) therefore hold their children's chunks for their whole forward,
+    which costs at most those few projections' chunks at once. Not in backward: there each child gathers its own
+    chunks when its backward starts and holds them until they are reduced, so a parent holding them too would keep
+    the first projections' weights waiting through the others' backward. A container of containers (a decoder layer,
+    the model) holds nothing extra: holding every chunk below it would hold the model.
+    """
+    yield from module.parameters(recurse=False)
+    children = list(module.children())
+    if children and all(next(child.children(), None) is None for child in children):
+        for child in children:
+            yield from child.parameters(recurse=False)
 
 
 def _inside_backward() -> bool:

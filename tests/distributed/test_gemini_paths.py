@@ -301,3 +301,48 @@ def test_a_weight_read_outside_its_module_is_explained(rank_pool_2):
         assert "got 1-D tensor" in message[0]  # torch's own words
         hint = [note for note in message[1:] if note.startswith("colossal_gemini:")]
         assert hint and "self.head(hidden)" in hint[0] and "colossal_zero2" in hint[0], message
+
+
+class ClipTextModule(RegressionModule):
+    """Hugging Face's CLIP text encoder: its embeddings module reads ``self.position_embedding.weight.shape[0]``
+    without calling that child, so the child's chunk must be gathered for the parent's forward too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.CLIPTextConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=16, eos_token_id=2,
+        )  # fmt: skip
+        self.model = transformers.CLIPTextModel(config)
+
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(10 * self.global_step + self.global_rank)
+        tokens = torch.randint(3, 64, (2, 8), generator=generator)
+        return self.model(input_ids=tokens).pooler_output.square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def clip_text_body(strategy_name: str) -> dict[str, torch.Tensor]:
+    from lightning.pytorch import seed_everything
+
+    from lightning_colossal import ColossalDDPStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = ClipTextModule()
+    # 4096-element chunks: the embeddings' two tables and the layers' projections lie in different chunks.
+    strategy = GeminiStrategy(chunk_numel=4096) if strategy_name == "gemini" else ColossalDDPStrategy()
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=3)
+    trainer.fit(module)
+    return float_state(module)
+
+
+def test_a_child_weight_read_by_its_parent_is_gathered_for_the_parents_forward(rank_pool_2):
+    pytest.importorskip("transformers")
+    sharded = rank_pool_2.run(clip_text_body, "gemini")[0]
+    replicated = rank_pool_2.run(clip_text_body, "ddp")[0]
+    for name, value in replicated.items():
+        torch.testing.assert_close(sharded[name], value, **FP32, msg=name)
