@@ -18,6 +18,8 @@ import os
 import pickle
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +142,48 @@ def saved_keys(path: str | Path) -> set[str]:
 def saved_shapes(path: str | Path) -> dict[str, torch.Size | None]:
     """The whole shape of every tensor stored in a checkpoint's shards by flattened key (``None`` for items saved as
     bytes); ``path`` is the checkpoint or its DCP directory. Reads the index only, not the tensors."""
-    entries = FileSystemReader(str(shard_directory(path))).read_metadata().state_dict_metadata
+    shards = shard_directory(path)
+    with _damage_explained(shards):
+        entries = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
     return {key: getattr(entry, "size", None) for key, entry in entries.items()}
+
+
+def _is_damage(cause: BaseException) -> bool:
+    """Whether reading a shard directory failed because a file in it is missing or cut short: the file's absence, a
+    short read, a truncated index (pickle; DCP's own reader reports that one as an AssertionError on "metadata is
+    None"), a truncated item saved with torch.save (torch's zip reader)."""
+    if isinstance(cause, AssertionError):
+        return "metadata is None" in str(cause)
+    if isinstance(cause, RuntimeError):
+        return "PytorchStreamReader" in str(cause)
+    return isinstance(cause, (OSError, EOFError, pickle.UnpicklingError))
+
+
+@contextmanager
+def _damage_explained(shards: Path) -> Iterator[None]:
+    """Turn a read failure caused by a missing or truncated file in ``shards`` into an error that names the fix."""
+    try:
+        yield
+    except CheckpointException as error:
+        # DCP gathers each rank's failure into one exception (a BaseException, see save_sharded).
+        damaged = next((cause for cause, _ in error.failures.values() if _is_damage(cause)), None)
+        if damaged is None:
+            raise
+        raise _damaged(shards, damaged) from error
+    except (OSError, EOFError, pickle.UnpicklingError, AssertionError, RuntimeError) as error:
+        if not _is_damage(error):
+            raise
+        raise _damaged(shards, error) from error
+
+
+def _damaged(shards: Path, cause: BaseException) -> ValueError:
+    detail = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return ValueError(
+        f"Cannot read the checkpoint's shards in {shards} ({detail}): a file there is missing or cut short (an"
+        " interrupted copy or save?). Copy the whole shards directory again from an intact source, or use an earlier"
+        " checkpoint. To start from the weights alone, load the checkpoint file with `load_from_checkpoint` (it holds"
+        " the full weights) and fit without `ckpt_path`."
+    )
 
 
 def shard_directory(path: str | Path) -> Path:
@@ -162,9 +204,13 @@ def read_sharded(path: str | Path, keys: set[str] | None = None) -> dict[str, An
     state: dict[str, Any] = {}
     # The public dcp.load works on a copy of the dict it is given, so a planner that builds the state from the
     # checkpoint's own index never reaches the caller; torch's dcp_to_torch_save uses this same entry point.
-    _load_state_dict(
-        state, storage_reader=FileSystemReader(str(shards)), planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True
-    )
+    with _damage_explained(shards):
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(str(shards)),
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+            no_dist=True,
+        )
     return state
 
 
@@ -177,12 +223,13 @@ def load_sharded(
     in the dict. With ``allow_partial`` a destination key missing from the checkpoint keeps its current value;
     otherwise DCP raises naming the key.
     """
-    dcp.load(
-        tensor_state,
-        storage_reader=FileSystemReader(str(shards)),
-        planner=DefaultLoadPlanner(allow_partial_load=allow_partial),
-        process_group=group,
-    )
+    with _damage_explained(Path(shards)):
+        dcp.load(
+            tensor_state,
+            storage_reader=FileSystemReader(str(shards)),
+            planner=DefaultLoadPlanner(allow_partial_load=allow_partial),
+            process_group=group,
+        )
 
 
 def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> dict[str, Any]:

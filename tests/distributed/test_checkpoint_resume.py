@@ -346,3 +346,20 @@ def test_tied_weights_gpt_resumes_identically(rank_pool_2, tmp_path):
     assert epoch_end.is_file() and shard_directory(epoch_end).is_dir()
     resumed = rank_pool_2.run(gpt_body, str(tmp_path / "second"), str(epoch_end))
     torch.testing.assert_close(resumed[0], reference[0], rtol=0, atol=0)
+
+
+def damaged_resume_body(path: str) -> str:
+    try:
+        _fit(epochs=2, ckpt_path=path, strategy="colossal_zero2")
+    except ValueError as error:
+        return str(error)
+    return "resumed"
+
+
+def test_resume_from_damaged_shards_fails_on_every_rank_naming_the_fix(rank_pool_2, tmp_path):
+    path = tmp_path / "epoch1.ckpt"
+    rank_pool_2.run(save_after_one_epoch_body, str(path), "colossal_zero2")
+    data_file = sorted(shard_directory(path).glob("*.distcp"))[-1]
+    data_file.write_bytes(data_file.read_bytes()[:100])  # an interrupted copy
+    for message in rank_pool_2.run(damaged_resume_body, str(path), timeout=60):
+        assert "Cannot read the checkpoint's shards" in message and "Copy the whole shards directory" in message

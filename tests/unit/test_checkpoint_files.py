@@ -174,3 +174,34 @@ def test_checkpoint_file_cut_in_half_is_named_when_its_weights_are_read(tmp_path
     cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"cut\.ckpt.*truncated"):
         load_file_weights(locate_checkpoint(cut))
+
+
+def _damage(shards: Path, how: str) -> None:
+    data_file = sorted(shards.glob("*.distcp"))[0]
+    if how == "missing data file":
+        data_file.unlink()
+    elif how == "truncated data file":
+        data_file.write_bytes(data_file.read_bytes()[:40])
+    else:
+        index = shards / DCP_METADATA_FILENAME
+        index.write_bytes(index.read_bytes()[:50])
+
+
+@pytest.mark.parametrize("how", ["missing data file", "truncated data file", "truncated index"])
+def test_damaged_shards_are_named_with_the_fix_by_every_reader(tmp_path, capsys, how):
+    from lightning_colossal.checkpoint.sharded import saved_shapes
+    from lightning_colossal.consolidate import main
+
+    path = tmp_path / "last.ckpt"
+    save_sharded(path, {"model": {"layer.weight": torch.randn(64, 32)}}, {"epoch": 0})
+    shards = locate_checkpoint(path).shards
+    assert shards is not None
+    _damage(shards, how)
+    expected = r"Cannot read the checkpoint's shards in .*missing or cut short.*Copy the whole shards directory"
+    with pytest.raises(ValueError, match=expected):
+        read_sharded(path)
+    if how == "truncated index":
+        with pytest.raises(ValueError, match=expected):
+            saved_shapes(path)
+    assert main([str(path), str(tmp_path / "weights.safetensors")]) == 2
+    assert "Copy the whole shards directory" in capsys.readouterr().err
