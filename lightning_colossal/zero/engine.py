@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
@@ -314,7 +315,18 @@ class ZeroEngine:
         """``model_state`` (tensors by parameter name) with the fp32 masters in place of rounded parameters, when
         checkpoints hold masters."""
         if self.checkpoints_hold_masters:
-            model_state.update(self.masters_by_name())
+            precise = self.masters_by_name()
+            model_state.update(precise)
+            # A tied parameter is in the state under every name that holds it: each name gets the master, so the
+            # checkpoint does not keep one weight at two precisions.
+            master_of = {
+                (member.parameter.data_ptr(), member.parameter.shape): precise[member.name]
+                for member in self.members
+                if member.name in precise and member.parameter.numel() > 0
+            }
+            for name, value in model_state.items():
+                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.numel() > 0:
+                    model_state[name] = master_of.get((value.data_ptr(), value.shape), value)
         return model_state
 
     def resync_after_model_state_loaded(self) -> None:

@@ -88,6 +88,26 @@ def test_bf16_true_steps_fp32_masters_and_saves_them(rank_pool_2, tmp_path):
     assert not torch.equal(weight.to(torch.bfloat16).float(), weight), "masters carry more precision than bf16"
 
 
+def tied_bf16_true_body(path: str) -> None:
+    module = new_module()
+    module.model.hidden_alias = module.model.hidden  # one weight under two names, as a tied embedding and head
+    trainer = quiet_trainer(
+        strategy=ZeroStrategy(stage=2), devices=torch.distributed.get_world_size(), max_steps=2, precision="bf16-true"
+    )
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+
+
+def test_bf16_true_checkpoint_holds_a_tied_weight_once_precise_under_every_name(rank_pool_2, tmp_path):
+    path = str(tmp_path / "tied.ckpt")
+    rank_pool_2.run(tied_bf16_true_body, path)
+    saved = read_sharded(path, keys={"model"})["model"]
+    weight, alias = saved["model.hidden.weight"], saved["model.hidden_alias.weight"]
+    assert weight.dtype == alias.dtype == torch.float32
+    assert not torch.equal(weight.to(torch.bfloat16).float(), weight), "the fp32 master, not the bf16 weight"
+    torch.testing.assert_close(alias, weight, rtol=0, atol=0)
+
+
 class UnusedBranchModule(RegressionModule):
     """Adds a layer that gets no gradient: never (``everywhere``) or on every rank but 0 (``rank_zero_only``)."""
 
