@@ -143,6 +143,25 @@ def split_embedding_columns(embedding: nn.Embedding, context: ParallelContext, p
     plan.record(embedding.weight, placement)
 
 
+def split_parameter_rows(
+    model: nn.Module, name: str, parameter: nn.Parameter, context: ParallelContext, plan: ParallelPlan
+) -> None:
+    """A plan key naming a parameter itself as ``colwise`` (Hugging Face's ``self_attn.sinks``, one value per head):
+    keep this rank's rows in place, the rows of its own heads, as a column-parallel layer keeps its output rows."""
+    if parameter.dim() == 0 or parameter.shape[0] % context.tp_size:
+        raise ValueError(
+            f"The plan splits the parameter {name!r} (shape {tuple(parameter.shape)}) by rows over tp_size="
+            f"{context.tp_size}, which does not divide its {parameter.shape[0] if parameter.dim() else 0} rows;"
+            " choose a tp_size that divides the number of attention heads."
+        )
+    placement = TensorParallelPlacement(0)
+    shard = shard_of(parameter.detach(), placement, context.tp_rank, context.tp_size).clone()
+    owner_name, _, attribute = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attribute, nn.Parameter(shard, requires_grad=parameter.requires_grad))
+    plan.record(getattr(owner, attribute), placement)
+
+
 class PlanPolicy(ModelPolicy):
     """Split the ``nn.Linear`` modules a plan names.
 
@@ -197,9 +216,13 @@ class PlanPolicy(ModelPolicy):
             style = next((style for pattern, style in rules if pattern.match(name)), None)
             if style is not None:
                 matched += _apply_style(model, name, module, style, context, plan)
+        for name, parameter in list(model.named_parameters()):
+            style = next((style for pattern, style in rules if pattern.match(name)), None)
+            if style == "colwise":
+                split_parameter_rows(model, name, parameter, context, plan)
         if matched == 0:
             raise ValueError(self._nothing_split_message(model, ignored))
-        check_tensor_parallel_regions(model, plan, self._how_to_declare)
+        check_tensor_parallel_regions(model, plan, lambda names: self._how_to_declare(names, model))
         return plan
 
     def _nothing_split_message(self, model: nn.Module, ignored: list[str]) -> str:
@@ -216,17 +239,40 @@ class PlanPolicy(ModelPolicy):
             " Write the patterns relative to the LightningModule (e.g. 'model.layers.*.attn.q_proj')."
         )
 
-    def _how_to_declare(self, names: list[str]) -> str:
-        # The parameter's module as a plan key: relative to the plan's root, layer indices as `*`.
-        modules = (name.rpartition(".")[0].removeprefix(self.prefix) for name in names)
-        keys = sorted({".".join("*" if part.isdigit() else part for part in module.split(".")) for module in modules})
+    def _how_to_declare(self, names: list[str], model: nn.Module) -> str:
         where = "config.base_model_tp_plan in configure_model" if self.origin is not None else "the policy= dict"
-        example = ", ".join(f"'{key}': '{PARTIAL_GRADIENT_STYLE}'" for key in keys)
+        # A parameter with one row per attention head (a per-head sink, a norm over each head's features) belongs
+        # split with the heads: a whole one cannot even broadcast against this rank's heads.
+        head_counts = {count for _, count in self.heads}
+        per_head = [name for name in names if _leading_size(model, name) in head_counts]
+        if per_head:
+            example = ", ".join(f"'{key}': 'colwise'" for key in _plan_keys(per_head, self.prefix))
+            return (
+                f"{per_head} hold one row per attention head: add {example} to {where} (a key naming the parameter"
+                " itself splits its rows with the heads); or pass a ModelPolicy subclass that declares it."
+            )
+        # The parameter's module as a plan key: relative to the plan's root, layer indices as `*`.
+        modules = [name.rpartition(".")[0] for name in names]
+        example = ", ".join(f"'{key}': '{PARTIAL_GRADIENT_STYLE}'" for key in _plan_keys(modules, self.prefix))
         return (
             f"Add {example} to {where} if each rank applies it to its own slice of the split heads/features (its"
             f" gradient is then summed over the tensor-parallel ranks), or '{REPLICATE_STYLE}' if it sees the whole"
             " input; or pass a ModelPolicy subclass that declares it."
         )
+
+
+def _plan_keys(names: list[str], prefix: str) -> list[str]:
+    """Plan keys for these names: relative to the plan's root, layer indices as ``*``."""
+    relative = (name.removeprefix(prefix) for name in names)
+    return sorted({".".join("*" if part.isdigit() else part for part in name.split(".")) for name in relative})
+
+
+def _leading_size(model: nn.Module, name: str) -> int | None:
+    try:
+        parameter = model.get_parameter(name)
+    except AttributeError:
+        return None
+    return parameter.shape[0] if parameter.dim() >= 1 else None
 
 
 # [Note: LoRA layers under tensor parallelism]

@@ -60,6 +60,22 @@ def build_decoder(kind: str) -> torch.nn.Module:
     if kind == "phi3":
         config = transformers.Phi3Config(**shared, pad_token_id=0, bos_token_id=0, eos_token_id=0)
         return transformers.Phi3ForCausalLM(config)
+    if kind == "granite_swa":
+        # A learned attention sink per head ("self_attn.sinks": a parameter, split with the heads by the plan).
+        config = transformers.GraniteSWAConfig(
+            **shared, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
+        )
+        return transformers.GraniteSWAForCausalLM(config)
+    if kind in ("cohere_qk_norm", "cohere_qk_norm_declared"):
+        # Norms with one row per head ([heads, head_dim]), which the model's own plan does not name.
+        config = transformers.CohereConfig(**shared, use_qk_norm=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        if kind == "cohere_qk_norm_declared":  # what the refusal below tells the user to add
+            config.base_model_tp_plan = {
+                **config.base_model_tp_plan,
+                "layers.*.self_attn.q_norm.weight": "colwise",
+                "layers.*.self_attn.k_norm.weight": "colwise",
+            }
+        return transformers.CohereForCausalLM(config)
     if kind == "olmoe":
         config = transformers.OlmoeConfig(
             **shared, num_experts=4, num_experts_per_tok=2, bos_token_id=0, eos_token_id=0
@@ -169,6 +185,8 @@ CASES_2 = {
     "olmo2_tp2_sgd": ("olmo2", "sgd", {"tp_size": 2}),
     # Fused [q][k][v] and [gate][up], split block by block by the built-in family plan (was refused).
     "phi3_tp2_adamw": ("phi3", "adamw", {"tp_size": 2}),
+    "granite_swa_tp2_sgd": ("granite_swa", "sgd", {"tp_size": 2}),
+    "cohere_qk_norm_declared_tp2_sgd": ("cohere_qk_norm_declared", "sgd", {"tp_size": 2}),
 }
 
 
@@ -209,3 +227,13 @@ def test_undeclared_whole_parameter_between_split_layers_is_refused_before_train
         assert "model.layers.0.self_attn.q_norm.weight" in message, message
         assert "'layers.*.self_attn.k_norm': 'replicated_with_grad_allreduce'" in message, message
         assert "config.base_model_tp_plan" in message, message
+
+
+def test_per_head_rows_left_whole_are_refused_naming_the_row_split(rank_pool_2):
+    """Cohere's q/k norms hold one row per head; the model's plan does not name them, and summing their gradients
+    ("replicated_with_grad_allreduce") cannot work (a whole one does not broadcast against this rank's heads), so the
+    refusal names the row split the declared case above trains with."""
+    for message in rank_pool_2.run(train_body, "cohere_qk_norm", "sgd", {"tp_size": 2}, timeout=300):
+        assert isinstance(message, str), "trained instead of being refused"
+        assert "one row per attention head" in message, message
+        assert "'layers.*.self_attn.q_norm.weight': 'colwise'" in message, message
