@@ -42,6 +42,7 @@ from lightning_colossal.config import (
 )
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.distributed.pretrained import has_pretrained_weights, materialise_whole
+from lightning_colossal.distributed.running_statistics import follow_first_replica, modules_with_running_statistics
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
 from lightning_colossal.strategies.callback_refusals import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
@@ -78,6 +79,10 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
     #: or ``torch.device("meta")`` in ``configure_model``): such a model is materialised shard by shard by the engine,
     #: never moved whole to the device.
     materialises_meta_models: ClassVar[bool] = False
+    #: The mode's own wrapper copies rank 0's buffers before each forward (torch DDP); the others follow
+    #: [Note: running statistics follow the first replica] in ``distributed/running_statistics.py``.
+    wrapper_syncs_buffers: ClassVar[bool] = False
+    _running_statistics: list[torch.nn.Module] = []
     #: Classes describing constructor arguments the strategy forwards (a config); with this base's own docstring
     #: they complete every subclass's ``Args:`` section (``strategies/docstrings.py``).
     argument_doc_sources: ClassVar[tuple[type, ...]] = ()
@@ -157,7 +162,24 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._running_statistics = [] if self.wrapper_syncs_buffers else modules_with_running_statistics(self.model)
         return fitting
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._follow_first_replica_statistics()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._follow_first_replica_statistics()
+        return super().validation_step(*args, **kwargs)
+
+    def _follow_first_replica_statistics(self) -> None:
+        """distributed/running_statistics.py [Note: running statistics follow the first replica]."""
+        if self._running_statistics:
+            follow_first_replica(self._running_statistics, self.device_mesh["dp"].get_group())
 
     def parameter_pieces(self) -> str | None:
         """What a rank holds of each parameter when not all of it (e.g. ``"only its FSDP shards"``), for errors;

@@ -57,6 +57,7 @@ class ColossalDDPStrategy(ColossalStrategy):
     """
 
     strategy_name = "colossal_ddp"
+    wrapper_syncs_buffers = True  # torch DDP copies rank 0's buffers before each forward (forward_sync_buffers)
 
     def __init__(
         self,

@@ -1,6 +1,8 @@
-"""Buffers that differ between ranks (BatchNorm's running statistics, updated from each rank's own batches) reach the
-checkpoint whole from one replica, the first, as Lightning's ddp saves rank 0's module: never one layer's mean from
-one rank and its variance from another. See [Note: buffers in checkpoints] in ``strategies/checkpointing.py``."""
+"""Buffers that differ between ranks (BatchNorm's running statistics, updated from each rank's own batches): every
+rank follows the first replica's before each step as under Lightning's ddp ([Note: running statistics follow the
+first replica] in ``distributed/running_statistics.py``), and they reach the checkpoint whole from the first replica,
+never one layer's mean from one rank and its variance from another ([Note: buffers in checkpoints] in
+``strategies/checkpointing.py``)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,14 @@ class BatchNormModule(LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    def validation_step(self, batch: Any, batch_index: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        generator = torch.Generator().manual_seed(200 + self.trainer.global_rank)
+        return DataLoader([(torch.randn(8, 4, generator=generator), torch.randn(8, 1))], batch_size=None)
+
     def train_dataloader(self) -> Any:
         rank = self.trainer.global_rank
         generator = torch.Generator().manual_seed(100 + rank)
@@ -51,6 +61,7 @@ def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
         devices=torch.distributed.get_world_size(),
         max_steps=3,
         use_distributed_sampler=False,
+        limit_val_batches=0,  # no validation forward, which would make the ranks' statistics equal again
     )
     trainer.fit(module)
     trainer.save_checkpoint(path)
@@ -75,3 +86,45 @@ def test_checkpoint_holds_the_first_replicas_buffers_whole(rank_pool_2, tmp_path
     loaded = BatchNormModule.load_from_checkpoint(path)
     for name, buffer in first.items():
         torch.testing.assert_close(loaded.get_buffer(name), buffer, rtol=0, atol=0, msg=name)
+
+
+def fit_with_validation_body(spec: StrategySpec | str) -> dict[str, Any]:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(0, verbose=False)
+    module = BatchNormModule()
+    if isinstance(spec, str):
+        strategy: Any = spec  # Lightning's own "ddp"
+    else:
+        kind, arguments = spec
+        strategy = HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=torch.distributed.get_world_size(),
+        max_epochs=2,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module)
+    return {
+        "buffers": {name: buffer.detach().clone() for name, buffer in module.named_buffers()},
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp_run(rank_pool_2) -> list[dict[str, Any]]:
+    return rank_pool_2.run(fit_with_validation_body, "ddp")
+
+
+@pytest.mark.parametrize(
+    "spec", [ZERO2, FSDP, GEMINI, ("hybrid", {"zero_stage": 1})], ids=["zero2", "fsdp", "gemini", "hybrid"]
+)
+def test_running_statistics_and_validation_follow_the_first_replica_as_under_ddp(rank_pool_2, lightning_ddp_run, spec):
+    results = rank_pool_2.run(fit_with_validation_body, spec)
+    reference = lightning_ddp_run
+    assert not torch.equal(reference[0]["buffers"]["net.1.running_mean"], torch.zeros(16))
+    for rank, (result, expected) in enumerate(zip(results, reference, strict=True)):
+        for name, buffer in expected["buffers"].items():
+            torch.testing.assert_close(result["buffers"][name], buffer, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+        assert abs(result["val_loss"] - expected["val_loss"]) < 1e-5, (result["val_loss"], expected["val_loss"])
