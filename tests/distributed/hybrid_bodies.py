@@ -75,38 +75,27 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
             attn_implementation="eager",
         )
         return BertForMaskedLM(bert_config)
+    # A tiny decoder: 4 query heads over 2 key/value heads.
+    decoder = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": overrides.get("num_layers", 2),
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": SEQUENCE,
+        "attn_implementation": "eager",
+    }
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=overrides.get("num_layers", 2),
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQUENCE,
-            tie_word_embeddings=overrides.get("tie_weights", False),
-            attn_implementation="eager",
-        )
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(LlamaConfig(**decoder, tie_word_embeddings=overrides.get("tie_weights", False)))
     if kind == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
         # A window shorter than the sequence: Mistral's forward builds a sliding-window mask for every layer.
-        mistral_config = MistralConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=overrides.get("num_layers", 2),
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQUENCE,
-            sliding_window=overrides.get("sliding_window", 3),
-            tie_word_embeddings=False,
-            attn_implementation="eager",
-        )
-        return MistralForCausalLM(mistral_config)
+        window = overrides.get("sliding_window", 3)
+        return MistralForCausalLM(MistralConfig(**decoder, sliding_window=window, tie_word_embeddings=False))
     from lightning_colossal.demo.model import GPT
 
     return GPT(gpt_config(**overrides))
