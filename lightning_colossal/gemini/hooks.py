@@ -423,23 +423,24 @@ class ChunkHooks:
 
 
 def _parameters_its_forward_may_read(module: nn.Module) -> Iterator[nn.Parameter]:
-    """The parameters gathered for ``module``'s forward and backward: its own, and, when every child is a leaf
-    module, the children's too.
+    """The parameters gathered for ``module``'s forward: its own, and, when every child is a leaf module, those of its
+    embedding children.
 
     [Note: weights read by the parent]
     A module's forward may read a child's weight without calling the child: Hugging Face's CLIP text embeddings read
-    ``self.position_embedding.weight.shape[0]``, where an empty placeholder would give 0. The modules of leaves
-    (embeddings, an attention's or MLP's projections) therefore hold their children's chunks for their whole forward,
-    which costs at most those few projections' chunks at once. Not in backward: there each child gathers its own
-    chunks when its backward starts and holds them until they are reduced, so a parent holding them too would keep
-    the first projections' weights waiting through the others' backward. A container of containers (a decoder layer,
-    the model) holds nothing extra: holding every chunk below it would hold the model.
+    ``self.position_embedding.weight.shape[0]``, where an empty placeholder would give 0, and its vision embeddings
+    interpolate ``self.position_embedding.weight``. So a module made of leaves (an embeddings module) holds its
+    ``nn.Embedding`` children's chunks for its whole forward; their forwards run inside it anyway, so this costs
+    only the time between the parent's start and theirs. Other children (projections, norms) are left to their own
+    hooks: a flat model of leaf layers would otherwise gather every chunk at once. Not in backward either: there each
+    child gathers its own chunks when its backward starts, and holds them until they are reduced.
     """
     yield from module.parameters(recurse=False)
     children = list(module.children())
     if children and all(next(child.children(), None) is None for child in children):
         for child in children:
-            yield from child.parameters(recurse=False)
+            if isinstance(child, nn.Embedding):
+                yield from child.parameters(recurse=False)
 
 
 def _inside_backward() -> bool:

