@@ -274,6 +274,25 @@ def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessG
         dist.broadcast(tensor, group_src=source_rank, group=group)
 
 
+def broadcast_tensors(tensors: list[torch.Tensor], source_rank: int = 0, group: ProcessGroup | None = None) -> None:
+    """``broadcast_tensor`` of each of ``tensors``, as one collective per dtype (flattened), for many small tensors.
+    Every rank must pass tensors of the same shapes and dtypes in the same order."""
+    if not tensors or not is_initialized() or world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            same_dtype = by_dtype[dtype]
+            flat = torch.cat([tensor.reshape(-1) for tensor in same_dtype])
+            broadcast_tensor(flat, source_rank=source_rank, group=group)
+            offset = 0
+            for tensor in same_dtype:
+                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+
+
 def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGroup | None:
     """A second process group over the same ranks (a collective: every rank of the world must call it).
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.nn.modules.batchnorm import _NormBase
@@ -44,17 +43,4 @@ def follow_first_replica(modules: Iterable[nn.Module], group: ProcessGroup | Non
         for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)
         if isinstance(buffer, Tensor)
     ]
-    if not buffers or collectives.world_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for buffer in buffers:
-        by_dtype.setdefault(buffer.dtype, []).append(buffer)
-    with torch.no_grad():
-        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            same_dtype = by_dtype[dtype]
-            flat = torch.cat([buffer.reshape(-1) for buffer in same_dtype])
-            collectives.broadcast_tensor(flat, source_rank=0, group=group)
-            offset = 0
-            for buffer in same_dtype:
-                buffer.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
-                offset += buffer.numel()
+    collectives.broadcast_tensors(buffers, source_rank=0, group=group)

@@ -141,18 +141,10 @@ class ChunkHooks:
 
     def _install(self, module: nn.Module) -> None:
         for module_id, submodule in enumerate(module.modules()):
-            chunks = frozenset(
-                self.chunk_of[id(parameter)][0].index
-                for parameter in _parameters_its_forward_may_read(submodule)
-                if id(parameter) in self.chunk_of
-            )
+            chunks = self._chunks_holding(_parameters_its_forward_may_read(submodule))
             if chunks:  # its hooks also bracket its forward ([Note: the end of a forward])
                 self._module_chunks[module_id] = chunks
-                self._backward_chunks[module_id] = frozenset(
-                    self.chunk_of[id(parameter)][0].index
-                    for parameter in submodule.parameters(recurse=False)
-                    if id(parameter) in self.chunk_of
-                )
+                self._backward_chunks[module_id] = self._chunks_holding(submodule.parameters(recurse=False))
                 self._handles.append(submodule.register_forward_pre_hook(self._forward_pre_hook(module_id)))
                 self._handles.append(submodule.register_forward_hook(self._forward_hook(module_id)))
             elif any(id(parameter) in self.chunk_of for parameter in submodule.parameters()):
@@ -163,6 +155,12 @@ class ChunkHooks:
             for parameter in chunk.parameters:
                 if parameter.requires_grad:
                     self._handles.append(parameter.register_post_accumulate_grad_hook(self._on_gradient))
+
+    def _chunks_holding(self, parameters: Iterable[nn.Parameter]) -> frozenset[int]:
+        """Indices of the chunks that hold any of ``parameters`` (parameters outside chunks are skipped)."""
+        return frozenset(
+            self.chunk_of[id(parameter)][0].index for parameter in parameters if id(parameter) in self.chunk_of
+        )
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -21,7 +21,7 @@ the base's arguments with their descriptions, and ``docstrings.py`` adds them to
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -82,7 +82,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
     #: The mode's own wrapper copies rank 0's buffers before each forward (torch DDP); the others follow
     #: [Note: running statistics follow the first replica] in ``distributed/running_statistics.py``.
     wrapper_syncs_buffers: ClassVar[bool] = False
-    _running_statistics: list[torch.nn.Module] = []
+    _running_statistics: Sequence[torch.nn.Module] = ()  # set by ``_prepare_module``
     #: Classes describing constructor arguments the strategy forwards (a config); with this base's own docstring
     #: they complete every subclass's ``Args:`` section (``strategies/docstrings.py``).
     argument_doc_sources: ClassVar[tuple[type, ...]] = ()

@@ -154,22 +154,18 @@ class CheckpointingMixin(ProcessGroupMixin):
         rank 0's module; so do these strategies, per pipeline stage. The live buffers are not touched.
         """
         assert self.lightning_module is not None
-        if self.world_size == 1:
-            return model_state
-        group = self.device_mesh["dp"].get_group()
-        if collectives.world_size(group) == 1:
+        group = self.device_mesh["dp"].get_group() if self.world_size > 1 else None
+        if group is None or collectives.world_size(group) == 1:
             return model_state
         buffer_names = {name for name, _ in self.lightning_module.named_buffers()}
-        state = dict(model_state)
         # Sorted, so every rank of the group broadcasts the same buffers in the same order.
-        for name in sorted(buffer_names.intersection(state)):
-            value = state[name]
-            if isinstance(value, DTensor) or not isinstance(value, Tensor):
-                continue
-            first_replica = value.detach().clone()
-            collectives.broadcast_tensor(first_replica, source_rank=0, group=group)
-            state[name] = first_replica
-        return state
+        copies = {
+            name: model_state[name].detach().clone()
+            for name in sorted(buffer_names.intersection(model_state))
+            if isinstance(model_state[name], Tensor) and not isinstance(model_state[name], DTensor)
+        }
+        collectives.broadcast_tensors(list(copies.values()), source_rank=0, group=group)
+        return {**model_state, **copies}
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         # A checkpoint is its file and its shards directory (see checkpoint/layout.py); Lightning would delete the file.

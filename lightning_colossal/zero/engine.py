@@ -322,7 +322,7 @@ class ZeroEngine:
             master_of = {
                 (member.parameter.data_ptr(), member.parameter.shape): precise[member.name]
                 for member in self.members
-                if member.name in precise and member.parameter.numel() > 0
+                if member.parameter.numel() > 0
             }
             for name, value in model_state.items():
                 if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.numel() > 0:

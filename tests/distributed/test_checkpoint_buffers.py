@@ -50,14 +50,21 @@ class BatchNormModule(LightningModule):
         return DataLoader(batches, batch_size=None)
 
 
-def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
+def strategy_of(spec: StrategySpec | str) -> Any:
+    """A strategy from a checkpoint-bodies spec, ``("hybrid", arguments)``, or a registered name (Lightning's "ddp")."""
     from lightning_colossal import HybridParallelStrategy
 
+    if isinstance(spec, str):
+        return spec
+    kind, arguments = spec
+    return HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec)
+
+
+def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
     seed_everything(0, verbose=False)
     module = BatchNormModule()
-    kind, arguments = spec
     trainer = quiet_trainer(
-        strategy=HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec),
+        strategy=strategy_of(spec),
         devices=torch.distributed.get_world_size(),
         max_steps=3,
         use_distributed_sampler=False,
@@ -89,17 +96,10 @@ def test_checkpoint_holds_the_first_replicas_buffers_whole(rank_pool_2, tmp_path
 
 
 def fit_with_validation_body(spec: StrategySpec | str) -> dict[str, Any]:
-    from lightning_colossal import HybridParallelStrategy
-
     seed_everything(0, verbose=False)
     module = BatchNormModule()
-    if isinstance(spec, str):
-        strategy: Any = spec  # Lightning's own "ddp"
-    else:
-        kind, arguments = spec
-        strategy = HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec)
     trainer = quiet_trainer(
-        strategy=strategy,
+        strategy=strategy_of(spec),
         devices=torch.distributed.get_world_size(),
         max_epochs=2,
         use_distributed_sampler=False,
