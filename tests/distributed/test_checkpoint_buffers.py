@@ -60,19 +60,28 @@ def strategy_of(spec: StrategySpec | str) -> Any:
     return HybridParallelStrategy(**arguments) if kind == "hybrid" else build_strategy(spec)
 
 
-def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
+def _fit(spec: StrategySpec | str, **settings: Any) -> tuple[Any, BatchNormModule]:
     seed_everything(0, verbose=False)
     module = BatchNormModule()
     trainer = quiet_trainer(
         strategy=strategy_of(spec),
         devices=torch.distributed.get_world_size(),
-        max_steps=3,
         use_distributed_sampler=False,
-        limit_val_batches=0,  # no validation forward, which would make the ranks' statistics equal again
+        **settings,
     )
     trainer.fit(module)
-    trainer.save_checkpoint(path)
+    return trainer, module
+
+
+def _buffers(module: BatchNormModule) -> dict[str, torch.Tensor]:
     return {name: buffer.detach().clone() for name, buffer in module.named_buffers()}
+
+
+def save_body(spec: StrategySpec, path: str) -> dict[str, torch.Tensor]:
+    # No validation forward, which would make the ranks' statistics equal again.
+    trainer, module = _fit(spec, max_steps=3, limit_val_batches=0)
+    trainer.save_checkpoint(path)
+    return _buffers(module)
 
 
 @pytest.mark.parametrize(
@@ -96,20 +105,8 @@ def test_checkpoint_holds_the_first_replicas_buffers_whole(rank_pool_2, tmp_path
 
 
 def fit_with_validation_body(spec: StrategySpec | str) -> dict[str, Any]:
-    seed_everything(0, verbose=False)
-    module = BatchNormModule()
-    trainer = quiet_trainer(
-        strategy=strategy_of(spec),
-        devices=torch.distributed.get_world_size(),
-        max_epochs=2,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module)
-    return {
-        "buffers": {name: buffer.detach().clone() for name, buffer in module.named_buffers()},
-        "val_loss": float(trainer.callback_metrics["val_loss"]),
-    }
+    trainer, module = _fit(spec, max_epochs=2, num_sanity_val_steps=0)
+    return {"buffers": _buffers(module), "val_loss": float(trainer.callback_metrics["val_loss"])}
 
 
 @pytest.fixture(scope="module")
