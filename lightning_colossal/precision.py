@@ -31,7 +31,7 @@ gradients, which is exact when every rank holds the full, already-reduced gradie
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -57,6 +57,7 @@ from lightning_colossal.config import (
     validate_precision,
 )
 from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
 
 
@@ -126,7 +127,17 @@ class LocalGradientClipper:
 
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        gradients = [param.grad for param in parameters if param.grad is not None]
+        if not any(isinstance(gradient, DTensor) for gradient in gradients):
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        # FSDP: torch's clip_grad_norm_ would reduce the DTensor norm on the mesh's device, which fails for shards
+        # offloaded to the host on an NCCL mesh. The norm here is the one gradient_norm reports (one scalar moved to
+        # the group's device), and the coefficient is torch's.
+        norm = self.gradient_norm(optimizer, 2.0)
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for device_gradients in _by_device([_local(gradient) for gradient in gradients]):
+            torch._foreach_mul_(device_gradients, coefficient.to(device_gradients[0].device))
+        return norm
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
@@ -143,7 +154,18 @@ class LocalGradientClipper:
         # FSDP: DTensor shards (a rank's may be empty, which torch's max-norm refuses). Each element is counted on
         # one rank: its shard's owner, at coordinate 0 of every mesh dimension that replicates it.
         counted = [piece for gradient in gradients if (piece := _counted_piece(gradient)) is not None]
-        return sharded_state.global_norm(counted, None, gradients[0].device, norm_type)
+        return sharded_state.global_norm(counted, None, _local(gradients[0]).device, norm_type)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
+    groups: dict[torch.device, list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return list(groups.values())
 
 
 def _counted_piece(gradient: Tensor) -> Tensor | None:
@@ -323,18 +345,14 @@ class ColossalPrecision(Precision):
         One all-reduce (MAX) of a ``2 * world_size`` vector of flags over the plugin's process group.
         """
         gradients = optimizer_gradients(optimizer)
-        device = gradients[0].device if gradients else torch.device(self.device_type)
         world_size, rank = collectives.world_size(self.process_group), collectives.rank(self.process_group)
-        flags = torch.zeros(2 * world_size, device=device)
+        # On the host: the collective moves it to the group's device ([Note: small collectives on the group's device]).
+        flags = torch.zeros(2 * world_size)
         if self._nonfinite_loss is not None:
-            flags[rank] = self._nonfinite_loss.to(device=device, dtype=flags.dtype)
+            flags[rank] = float(self._nonfinite_loss)
         self._nonfinite_loss = None
-        if gradients:
-            found = torch.zeros(1, device=device)
-            unit_scale = torch.ones(1, device=device)  # multiplying by 1 changes no finite gradient
-            for group in _group_by_device_and_dtype(gradients):
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, unit_scale)
-            flags[world_size + rank] = found[0]
+        # Multiplying by 1 changes no finite gradient.
+        flags[world_size + rank] = float(_check_and_unscale(gradients, 1.0))
         with Activity("voting on non-finite losses and gradients"):
             collectives.all_reduce(flags, op="max", group=self.process_group)
         seen = flags.cpu().tolist()
@@ -346,13 +364,7 @@ class ColossalPrecision(Precision):
     def unscale_and_check(self, optimizer: Optimizer) -> bool:
         """Divide every gradient by the loss scale and report an inf/nan on any rank (see [Note: overflow is global])."""
         assert self.loss_scaler is not None
-        gradients = optimizer_gradients(optimizer)
-        device = gradients[0].device if gradients else torch.device(self.device_type)
-        found_overflow = torch.zeros(1, device=device)
-        if gradients:
-            inverse_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, device=device)
-            for group in _group_by_device_and_dtype(gradients):
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found_overflow, inverse_scale)
+        found_overflow = _check_and_unscale(optimizer_gradients(optimizer), 1.0 / self.loss_scaler.scale)
         with Activity("voting on a gradient overflow (loss scaler)"):
             return collectives.any_rank_true(found_overflow, group=self.process_group)
 
@@ -428,12 +440,23 @@ def _cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
 
 
-def _group_by_device_and_dtype(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
-    # The fused unscale kernel needs one device and dtype per call.
+def _check_and_unscale(gradients: Sequence[Tensor], inverse_scale: float) -> Tensor:
+    """Multiply ``gradients`` by ``inverse_scale`` in place; a host scalar, 1.0 if any held an inf/nan.
+
+    The fused kernel takes one device and dtype per call, with its flag and scale on that device: gradients spread
+    over a GPU and the host (Gemini's mixed placement, offloaded masters) get a flag per device, combined here.
+    """
+    found = torch.zeros(())
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    return list(groups.values())
+    for gradient in gradients:
+        groups.setdefault((gradient.device, gradient.dtype), []).append(gradient)
+    for (device, _), group in groups.items():
+        found_here = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group, found_here, torch.full((1,), inverse_scale, device=device)
+        )
+        found = torch.maximum(found, devices.to_host(found_here)[0])
+    return found
 
 
 @contextmanager

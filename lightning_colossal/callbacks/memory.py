@@ -25,7 +25,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_colossal.callbacks.memory_accounting import (
@@ -37,6 +36,7 @@ from lightning_colossal.callbacks.memory_accounting import (
     zero_model_state_bytes,
 )
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.gemini import GeminiEngine
 from lightning_colossal.zero import ZeroEngine
 
@@ -82,9 +82,11 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
     if rss is not None:
         record["rss_bytes"] = rss
     device = pl_module.device
-    if device.type == "cuda":
-        record["cuda_allocated_bytes"] = torch.cuda.memory_allocated(device)
-        record["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    allocated = devices.memory_allocated(device)
+    if allocated is not None:
+        # Keys named for CUDA since they were first logged; on any compute device they are its allocator's figures.
+        record["cuda_allocated_bytes"] = allocated
+        record["cuda_max_allocated_bytes"] = devices.max_memory_allocated(device)
     return record
 
 

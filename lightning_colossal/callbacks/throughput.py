@@ -19,6 +19,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_colossal.distributed import device as devices
+
 __all__ = ["TokenThroughput", "count_tokens", "data_parallel_replicas"]
 
 
@@ -120,5 +122,4 @@ class TokenThroughput(Callback):
 
 def _synchronize(device: torch.device) -> None:
     """Wait for queued work on an accelerator; a no-op on CPU."""
-    if device.type not in ("cpu", "meta") and torch.accelerator.is_available():
-        torch.accelerator.synchronize(device)
+    devices.synchronize(device)

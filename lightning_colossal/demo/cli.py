@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_colossal.callbacks import TokenThroughput
 from lightning_colossal.demo.data import ByteCorpusDataModule
 from lightning_colossal.demo.module import GPTLightningModule
+from lightning_colossal.distributed import device as devices
 
 __all__ = ["DemoCLI", "limit_cpu_threads", "main", "run_summary", "trainer_defaults"]
 
@@ -30,7 +31,7 @@ def trainer_defaults() -> dict[str, Any]:
 
     A function, so every CLI run gets fresh callback instances.
     """
-    on_gpu = torch.cuda.is_available()
+    on_gpu = devices.accelerator_available()
     # On CPU a step takes about 1 s on two cores: 100 steps keep the README's first command near two minutes.
     steps = 300 if on_gpu else 100
     return {

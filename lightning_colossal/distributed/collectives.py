@@ -22,11 +22,26 @@ buffer, keeping this rank's slot (a reduce-scatter), or of a zeroed full buffer 
 own rows (an all-gather: the rows partition the tensor, so the sum is the gathered tensor). ``use_scatter_gather``
 turns the setting into that choice. Both routes give the same values; which buffer layout an engine reduces is its
 own (``zero/stages.py``, ``gemini/manager.py``).
+
+[Note: small collectives on the group's device]
+A process group accepts tensors of some device types only: NCCL's those of the GPU, gloo's the host's (and, for a
+few collectives, the GPU's). The engines' small collectives (overflow and non-finite flags, gradient norms, random
+states, "who got a gradient" votes) start where their data lives, which is the host whenever optimizer state is
+offloaded, and on NCCL such a call fails with "No backend type associated with device type cpu". One rule covers
+them all: ``all_reduce`` and ``broadcast_tensor`` copy a tensor the group cannot take to the group's device, run
+there, and copy the result back in place (``device.to_host`` waits for it). A second backend beside NCCL
+(``"cpu:gloo,cuda:nccl"``) was the alternative; it was not chosen because it needs a gloo group beside every NCCL
+group the engines and DeviceMesh create, including groups users hand over, and a few scalars per step cost less to
+move than a second set of communicators. The bulk exchanges (reduce-scatter, all-gather, all-to-all, point-to-point)
+are never moved: a tensor the group cannot take there is a placement bug, and they raise an error that says so
+instead of copying a whole chunk across the bus.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -34,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
-from lightning_colossal.distributed import direct_exchange
+from lightning_colossal.distributed import device, direct_exchange
 from lightning_colossal.distributed.group_cache import reuse_or_create, set_group_timeout
 from lightning_colossal.distributed.in_flight import Collective, RecordedWork
 
@@ -74,9 +89,67 @@ def rank(group: ProcessGroup | None = None) -> int:
 
 def _device_ids_for_barrier(group: ProcessGroup | None) -> list[int] | None:
     # NCCL's barrier needs the device of this rank, or it guesses one and can hang on a wrong GPU.
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
-        return [torch.cuda.current_device()]
+    if dist.get_backend(group) == "nccl" and device.device_count("cuda") > 0:
+        return [device.current_device("cuda").index or 0]
     return None
+
+
+# Device types a backend's groups take, for backends whose groups do not say (or say more than they do, as the
+# "fake" test backend, which accepts everything): set by the fake-GPU tier to make "fake" behave like NCCL.
+_BACKEND_DEVICE_TYPES: dict[str, tuple[str, ...]] = {"nccl": ("cuda",)}
+
+
+def group_device_types(group: ProcessGroup | None = None) -> tuple[str, ...]:
+    """The device types whose tensors ``group``'s collectives take, the one to move small tensors to first."""
+    name = backend(group)
+    if name in _BACKEND_DEVICE_TYPES:
+        return _BACKEND_DEVICE_TYPES[name]
+    declared = getattr(group if group is not None else dist.group.WORLD, "_device_types", None)
+    if declared:
+        # Prefer the host for groups that take both (gloo): its collectives are complete there.
+        return tuple(sorted({entry.type for entry in declared}, key=lambda kind: kind != "cpu"))
+    return ("cpu",)
+
+
+@contextmanager
+def declared_backend_devices(name: str, device_types: tuple[str, ...]) -> Iterator[None]:
+    """Inside: groups of backend ``name`` take only ``device_types`` (the fake-GPU tier makes "fake" act as NCCL)."""
+    previous = _BACKEND_DEVICE_TYPES.get(name)
+    _BACKEND_DEVICE_TYPES[name] = device_types
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _BACKEND_DEVICE_TYPES[name]
+        else:
+            _BACKEND_DEVICE_TYPES[name] = previous
+
+
+def _on_group_device(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``tensor`` itself when ``group`` takes it, else a copy on the group's device ([Note: small collectives on the
+    group's device])."""
+    types = group_device_types(group)
+    if tensor.device.type in types:
+        return tensor
+    return tensor.to(device.current_device(types[0]))
+
+
+def _back_in_place(tensor: torch.Tensor, moved: torch.Tensor) -> None:
+    if moved is not tensor:
+        device.copy_into(tensor, moved)
+
+
+def require_group_device(tensor: torch.Tensor, group: ProcessGroup | None, collective: str) -> None:
+    """Raise unless ``group`` takes ``tensor`` where it is (the bulk exchanges, [Note: small collectives on the
+    group's device])."""
+    types = group_device_types(group)
+    if is_initialized() and tensor.device.type not in types:
+        raise RuntimeError(
+            f"{collective} of a {tensor.device.type} tensor ({tuple(tensor.shape)}, {tensor.dtype}) on a"
+            f" {backend(group)} process group, which takes {', '.join(types)} tensors only. This is a placement bug"
+            " in lightning_colossal (a buffer left on the wrong device); please report it with the strategy and its"
+            " offload settings."
+        )
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
@@ -104,18 +177,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group: ProcessGroup | None
         raise ValueError(f"reduce op {op!r} is not supported: use one of sum, mean, max, min, product.")
     if not is_initialized():
         return tensor
-    if name in _MEAN_NAMES:
-        # gloo has no AVG; SUM then divide works on every backend and keeps integer inputs meaningful.
-        with Collective("all_reduce", group, tensor):
-            dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.div_(world_size(group))
-        else:
-            tensor = tensor.double().div_(world_size(group))
+    moved = _on_group_device(tensor, group)
+    # Older gloo had no AVG; SUM then divide works on every backend and keeps integer inputs meaningful.
+    with Collective("all_reduce", group, moved):
+        dist.all_reduce(moved, op=ReduceOp.SUM if name in _MEAN_NAMES else _REDUCE_OPS[name], group=group)
+    _back_in_place(tensor, moved)
+    if name not in _MEAN_NAMES:
         return tensor
-    with Collective("all_reduce", group, tensor):
-        dist.all_reduce(tensor, op=_REDUCE_OPS[name], group=group)
-    return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.div_(world_size(group))
+    return tensor.double().div_(world_size(group))
 
 
 def any_rank_true(
@@ -186,10 +257,42 @@ def use_scatter_gather(communication: str, group: ProcessGroup | None = None) ->
     return communication != "all_reduce"
 
 
+# [Note: the native route on gloo]
+# On GPUs the engines' bulk exchanges are NCCL's own reduce-scatter and all-gather; on gloo they are point-to-point
+# sends, so CPU runs would never execute the code GPUs run. gloo has both collectives too (slower, same values), and
+# inside ``native_route()``, or with LIGHTNING_COLOSSAL_COLLECTIVES=native in the environment, every engine takes
+# them on gloo as it does on NCCL: ZeRO-2's and Gemini's reduce-scatter and all-gather, FSDP2's own collectives.
+# The test suite runs the engines' oracle comparisons both ways.
+_native_route_forced = False
+NATIVE_ROUTE_VARIABLE = "LIGHTNING_COLOSSAL_COLLECTIVES"
+
+
+@contextmanager
+def native_route() -> Iterator[None]:
+    """Inside: gloo groups use their own reduce-scatter and all-gather, as NCCL groups do ([Note: the native route on
+    gloo])."""
+    global _native_route_forced
+    previous, _native_route_forced = _native_route_forced, True
+    try:
+        yield
+    finally:
+        _native_route_forced = previous
+
+
+def _native_route_asked() -> bool:
+    if _native_route_forced:
+        return True
+    value = os.environ.get(NATIVE_ROUTE_VARIABLE, "")
+    if value not in ("", "native", "direct"):
+        raise ValueError(f"{NATIVE_ROUTE_VARIABLE}={value!r}: use 'native' or 'direct' (the default on gloo).")
+    return value == "native"
+
+
 def sends_directly(group: ProcessGroup | None) -> bool:
     """Whether this module builds ``group``'s reduce-scatters and all-gathers from point-to-point sends (whose
-    handles report completion only once waited for: [Note: direct exchanges on gloo])."""
-    return backend(group) == "gloo"
+    handles report completion only once waited for: [Note: direct exchanges on gloo]); never on the native route
+    ([Note: the native route on gloo])."""
+    return backend(group) == "gloo" and not _native_route_asked()
 
 
 def reduce_own_slot_async(
@@ -218,6 +321,7 @@ def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) ->
     """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone)."""
     if not is_initialized() or world_size(group) == 1:
         return None
+    require_group_device(tensor, group, "an asynchronous all-reduce")
     with Collective("all_reduce", group, tensor):  # launching can fail too (a peer already gone)
         work = dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=True)
     return RecordedWork(work, "all_reduce", group, tensor)
@@ -230,6 +334,7 @@ def reduce_scatter_async(
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
         return None
+    require_group_device(input, group, "a reduce-scatter")
     with Collective("reduce_scatter", group, input):
         if sends_directly(group):
             work = direct_exchange.reduce_scatter(output, input, group)
@@ -258,6 +363,7 @@ def all_gather_into_async(
         if then is not None:
             then()
         return None
+    require_group_device(input, group, "an all-gather")
     with Collective("all_gather", group, input):
         if sends_directly(group):
             work = direct_exchange.all_gather(output, input, group)
@@ -270,8 +376,10 @@ def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessG
     """Overwrite ``tensor`` on every rank of ``group`` with the one of ``source_rank`` (a rank within the group)."""
     if not is_initialized() or world_size(group) == 1:
         return
-    with Collective("broadcast", group, tensor, peer=source_rank):
-        dist.broadcast(tensor, group_src=source_rank, group=group)
+    moved = _on_group_device(tensor, group)
+    with Collective("broadcast", group, moved, peer=source_rank):
+        dist.broadcast(moved, group_src=source_rank, group=group)
+    _back_in_place(tensor, moved)
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], source_rank: int = 0, group: ProcessGroup | None = None) -> None:
@@ -354,6 +462,7 @@ def all_to_all_along(
     pieces = [piece.contiguous() for piece in tensor.chunk(size, dim=scatter_dim)]
     send = torch.cat([piece.reshape(-1) for piece in pieces])
     receive = torch.empty_like(send)
+    require_group_device(send, group, "an all-to-all")
     with Collective("all_to_all_single", group, send):
         dist.all_to_all_single(receive, send, group=group)
     received = [piece.view(pieces[0].shape) for piece in receive.chunk(size)]
@@ -364,6 +473,7 @@ def sum_within_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     """All-reduce (SUM) in place within ``group``, skipping the call for a group of one; returns ``tensor``."""
     if group is None or world_size(group) == 1:
         return tensor
+    require_group_device(tensor, group, "a sum within a group")
     with Collective("all_reduce", group, tensor):
         dist.all_reduce(tensor, op=ReduceOp.SUM, group=group)
     return tensor

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import device as devices
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -76,12 +77,12 @@ def start_from_rank_zero_random_state(device: torch.device) -> None:
     """Give every rank rank 0's random state (CPU, and ``device``'s when it is a GPU): ranks that each draw a whole
     model to keep their own pieces of it must draw the same values (a collective over the world)."""
     state = torch.get_rng_state()
-    collectives.broadcast_tensor(state, source_rank=0)
+    collectives.broadcast_tensor(state, source_rank=0)  # a host tensor, moved to the group's device for the call
     torch.set_rng_state(state)
-    if device.type == "cuda":
-        cuda_state = torch.cuda.get_rng_state(device).to(device)
-        collectives.broadcast_tensor(cuda_state, source_rank=0)
-        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+    device_state = devices.get_rng_state(device)
+    if device_state is not None:
+        collectives.broadcast_tensor(device_state, source_rank=0)
+        devices.set_rng_state(device_state, device)
 
 
 def plan_windows(sizes: Sequence[int], window_bytes: int) -> list[list[int]]:
@@ -110,12 +111,12 @@ class InitialiserReplay:
         self.initialisers = required_initialisers(module)
         self.device = device
         self.cpu_state = torch.get_rng_state()
-        self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device_state = devices.get_rng_state(device)
 
     def run(self) -> None:
         torch.set_rng_state(self.cpu_state)
-        if self.cuda_state is not None:
-            torch.cuda.set_rng_state(self.cuda_state, self.device)
+        if self.device_state is not None:
+            devices.set_rng_state(self.device_state, self.device)
         for submodule in self.module.modules():
             if getattr(submodule, "_is_hf_initialized", False):
                 submodule.__dict__["_is_hf_initialized"] = False  # HF skips modules it believes initialised

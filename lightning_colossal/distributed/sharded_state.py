@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
@@ -67,12 +68,23 @@ def as_global(local: Tensor, spec: ShardSpec, device_mesh: DeviceMesh) -> Tensor
 def piece_of_whole(
     local: Tensor, device_mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
 ) -> DTensor:
-    """``local`` as this rank's piece of a contiguous tensor of ``shape`` laid out by ``placements`` (differentiable;
-    no communication: every rank's piece is already where the placements say)."""
+    """``local`` as this rank's piece of a contiguous tensor of ``shape`` laid out by ``placements`` (no communication:
+    every rank's piece is already where the placements say). Differentiable when ``local`` is on the mesh's device;
+    a piece held elsewhere stays there ([Note: offloaded pieces stay where they are])."""
     stride = tuple(math.prod(shape[index + 1 :]) for index in range(len(shape)))
-    return DTensor.from_local(
-        local, device_mesh, list(placements), run_check=False, shape=torch.Size(shape), stride=stride
-    )
+    if local.device.type == device_mesh.device_type or local.is_meta:
+        return DTensor.from_local(
+            local, device_mesh, list(placements), run_check=False, shape=torch.Size(shape), stride=stride
+        )
+    # [Note: offloaded pieces stay where they are]
+    # torch's from_local copies a local tensor to the mesh's device type. Checkpoints describe live state with these
+    # pieces and DCP loads into them in place, so a copy would be a GPU duplicate of offloaded masters and optimizer
+    # state that a load fills while the live host tensors keep their old values (a resume that silently restarts
+    # from the pre-load weights), and saving would stage the whole offloaded state on the GPU at once. The piece is
+    # therefore built around the host tensor itself: DCP reads and writes local tensors wherever they are.
+    meta = TensorMeta(torch.Size(shape), stride, local.dtype)
+    spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local.detach().view_as(local), spec, requires_grad=False)
 
 
 def is_shard_state(value: Any, master: Tensor) -> bool:

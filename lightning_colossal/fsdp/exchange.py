@@ -75,8 +75,8 @@ def use_direct_exchange(unit: FSDPModule, mesh: DeviceMesh) -> bool:
     """Give ``unit`` the point-to-point comms when its mesh runs on gloo and torch can take them; returns whether."""
     if AllGather is None or not hasattr(unit, "set_custom_all_gather"):
         return False
-    if any(collectives.backend(group) != "gloo" for group in mesh.get_all_groups()):
-        return False
+    if not all(collectives.sends_directly(group) for group in mesh.get_all_groups()):
+        return False  # NCCL, or gloo on the native route: FSDP2's own collectives
     unit.set_force_sum_reduction_for_comms(True)
     unit.set_custom_all_gather(DirectAllGather())
     unit.set_custom_reduce_scatter(DirectReduceScatter())

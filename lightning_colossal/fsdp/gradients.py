@@ -27,32 +27,52 @@ from lightning_colossal.distributed.autograd_graph import leaves_reached_from
 from lightning_colossal.distributed.in_flight import Activity
 
 
-def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> None:
-    """Every rank reduce-scatters zeros for parameters it gave no gradient (see the Note)."""
+def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> bool:
+    """Every rank reduce-scatters zeros for parameters it gave no gradient (see the Note); whether torch does it.
+
+    torch before ``set_reduce_scatter_unused_params`` (2.11 lacks it) cannot be told to; ``UnusedGradientTracker``
+    then makes the loss reach every gathered parameter with a zero term, which gives the same zeros.
+    """
+    if not all(hasattr(root, "set_reduce_scatter_unused_params") for root in roots):
+        return False
     for root in roots:
         root.set_reduce_scatter_unused_params(True, recurse=True)
+    return True
 
 
 class UnusedGradientTracker:
     """Tracks, per optimizer step, which sharded parameters got a gradient on any rank (see the Note)."""
 
-    def __init__(self, module: nn.Module, device: torch.device) -> None:
+    def __init__(self, module: nn.Module, device: torch.device, torch_reduces_unused: bool = True) -> None:
         # Module order: the same on every rank, so the flags line up in the all-reduce (on the collective's device).
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         self._position_of = {id(parameter): position for position, parameter in enumerate(self.parameters)}
         self.reached = torch.zeros(len(self.parameters), dtype=torch.float32, device=device)
+        self.torch_reduces_unused = torch_reduces_unused
 
-    def before_backward(self, loss: Tensor, module: nn.Module) -> None:
-        """Record the parameters ``loss`` reaches: in the graph they are FSDP's unsharded parameters."""
+    def before_backward(self, loss: Tensor, module: nn.Module) -> Tensor:
+        """Record the parameters ``loss`` reaches (in the graph they are FSDP's unsharded parameters); returns the
+        loss to run backward on: ``loss`` itself, or, where torch cannot reduce-scatter zeros for the others
+        (``include_unused_parameters_in_reduction``), ``loss`` plus a zero term over every gathered parameter it
+        does not reach, so each one gets a zero gradient and every rank's reduce-scatter has the same size."""
         reached = leaves_reached_from(loss)
         if reached is None:  # autograd_graph.py [Note: reentrant activation checkpoints hide their parameters]
             self.reached.fill_(1.0)
-            return
+            return loss
+        unreached: list[Tensor] = []
         for sharded, unsharded in _unsharded_parameters(module):
             if id(unsharded) in reached or id(sharded) in reached:
                 position = self._position_of.get(id(sharded))
                 if position is not None:
                     self.reached[position] = 1.0
+            elif unsharded.requires_grad:
+                unreached.append(unsharded)
+        if self.torch_reduces_unused or not unreached:
+            return loss
+        # The sum of an empty slice is 0.0, so the loss keeps its value, and its gradient is a zero tensor of the
+        # parameter's shape. Empty, because FSDP2 has freed the storage of the resharded parameters by now: a
+        # non-empty view of them would be out of bounds.
+        return loss + sum((parameter.reshape(-1)[:0].sum() for parameter in unreached), loss.new_zeros(()))
 
     def after_synchronising_backward(self) -> None:
         """After the backward that reduced gradients: drop the zero gradients of parameters no rank reached."""

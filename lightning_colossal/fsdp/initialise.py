@@ -49,11 +49,26 @@ def storage_free_template(module: nn.Module) -> nn.Module:
 
 
 @torch.no_grad()
-def initialise_shards(module: nn.Module, template: nn.Module, device: torch.device, window_bytes: int) -> None:
+def initialise_shards(
+    module: nn.Module,
+    template: nn.Module,
+    device: torch.device,
+    window_bytes: int,
+    parameter_device: torch.device | None = None,
+) -> None:
     """Give ``module``'s meta shards (after ``fully_shard``) the values of ``template``'s initialiser (see [Note: FSDP
-    meta initialisation]). Every rank of the sharding mesh must call this: it broadcasts rank 0's random state."""
+    meta initialisation]). Every rank of the sharding mesh must call this: it broadcasts rank 0's random state.
+
+    ``parameter_device`` is where the parameter shards live when it is not ``device``: the host under FSDP2's CPU
+    offload, whose first forward refuses parameters materialised anywhere else. Buffers are read by the forward on
+    the compute device, so they go to ``device`` either way.
+    """
     # FSDP2's own way to give meta shards storage; buffers too.
-    module.to_empty(device=device)
+    module.to_empty(device=parameter_device or device)
+    if parameter_device is not None and parameter_device != device:
+        for submodule in module.modules():
+            for name, buffer in submodule.named_buffers(recurse=False):
+                submodule._buffers[name] = buffer.to(device)
     live: dict[str, Tensor] = dict(
         [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     )

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.fsdp.exchange import use_direct_exchange
 
 
@@ -88,7 +89,9 @@ def shard_model(
             " (e.g. `nn.Parameter(torch.tensor([value]))`), or train with `colossal_zero2` or `colossal_gemini`,"
             " which keep such parameters whole on every rank."
         )
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=devices.accelerator_available()) if cpu_offload else OffloadPolicy()
+    )
 
     def shard(unit: nn.Module) -> FSDPModule:
         sharded = fully_shard(

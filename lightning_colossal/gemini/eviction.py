@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_colossal.config import AutoPlacement
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.manager import ChunkManager
 from lightning_colossal.gemini.placement import BudgetTooSmall, choose_evictions, next_use_distance
@@ -113,6 +114,5 @@ def compute_budget(placement: AutoPlacement, compute_device: torch.device) -> fl
     """Bytes of compute memory the model may use: the placement's budget, else the whole device (none on CPU)."""
     if placement.compute_memory_budget is not None:
         return float(placement.compute_memory_budget)
-    if compute_device.type == "cuda":
-        return float(torch.cuda.get_device_properties(compute_device).total_memory)
-    return math.inf
+    capacity = devices.total_memory(compute_device)
+    return math.inf if capacity is None else float(capacity)

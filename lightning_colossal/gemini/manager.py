@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
 from lightning_colossal.distributed.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
@@ -152,7 +153,7 @@ class ChunkManager:
         if chunk.is_gathered:
             return
         if chunk.shard_location is Location.OFFLOAD and self.offload_device != self.compute_device:
-            source = chunk.shard.to(self.compute_device, non_blocking=True)
+            source = devices.to_device(chunk.shard, self.compute_device)
         else:
             source = chunk.shard
         full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
@@ -264,7 +265,9 @@ class ChunkManager:
             if chunk.masters_alias_shard and not chunk.frozen:
                 # Placement never asks for this: the optimizer holds views of an aliased master, so it must stay.
                 raise RuntimeError(f"chunk {chunk.index}: cannot move a shard that is its own master across devices.")
-            chunk.shard = chunk.shard.to(device, non_blocking=True)
+            # Towards the host the copy is waited for: checkpoints and shards_to_masters read the shard there.
+            moved = devices.to_host(chunk.shard) if not devices.is_accelerator(device) else None
+            chunk.shard = moved if moved is not None else devices.to_device(chunk.shard, device)
             if chunk.frozen:
                 # A frozen chunk's shard is its master (nothing steps it); checkpoints read the views, so they follow.
                 chunk.master = chunk.shard
@@ -275,7 +278,7 @@ class ChunkManager:
     def contribute_to_gather(self, chunk: Chunk) -> None:
         """Take part in another rank's gather of ``chunk`` with this rank's rows, keeping nothing (the chunk's own
         state is unchanged: it may be gathered here already, or not needed)."""
-        source = chunk.shard.to(self.compute_device, non_blocking=True)
+        source = devices.to_device(chunk.shard, self.compute_device)
         full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
         with Activity(describe_chunk, "contributing rows to another rank's gather of", chunk):
             work = self._exchange_rows(chunk, source, full)
@@ -332,14 +335,19 @@ class ChunkManager:
                 chunk.gradient = torch.zeros(
                     chunk.spec.shard_numel, dtype=torch.float32, device=self.device_of(chunk.master_location)
                 )
+            result = pending.result
+            if result.device != chunk.gradient.device:
+                # Offloaded optimizer: the sum comes to the host once per chunk and is read there only after the copy
+                # landed (device.py [Note: copies between host and device]).
+                result = devices.to_host(result)
             for member in chunk.spec.members:
                 numel = member.spec.local_numel
                 if pending.rank_major:
-                    own = pending.result[member.slot_offset : member.slot_offset + numel]
+                    own = result[member.slot_offset : member.slot_offset + numel]
                 else:
-                    own = chunk.member_owned_in_full(pending.result, member)
+                    own = chunk.member_owned_in_full(result, member)
                 target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
-                target.add_(own.to(target.device, non_blocking=True), alpha=1.0 / self.world_size)
+                target.add_(own, alpha=1.0 / self.world_size)
 
     def attach_master_gradients(self, has_gradient: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """Point each master's ``.grad`` at its reduced rows; ``None`` where ``has_gradient(parameter)`` is false."""
@@ -359,7 +367,7 @@ class ChunkManager:
         with torch.no_grad():
             for chunk in self.chunks:
                 if not chunk.masters_alias_shard:
-                    chunk.shard.copy_(chunk.master, non_blocking=True)
+                    devices.copy_into(chunk.shard, chunk.master)
 
     def shards_to_masters(self) -> None:
         with torch.no_grad():

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_colossal.distributed import device as devices
+
 
 @dataclass(frozen=True)
 class TracedOp:
@@ -63,9 +65,9 @@ class MemoryTracer:
         return torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
 
     def non_model_bytes_now(self, phase: str, module_id: int) -> int:
-        if self.compute_device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.compute_device)
-            torch.cuda.reset_peak_memory_stats(self.compute_device)
+        peak = devices.max_memory_allocated(self.compute_device)
+        if peak is not None:
+            devices.reset_peak_memory_stats(self.compute_device)
             return max(peak - self.model_bytes_on_device(), 0)
         if phase == "backward":
             return self._saved_at_forward_end.get(module_id, self._saved_bytes)

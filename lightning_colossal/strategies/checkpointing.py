@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -49,6 +48,7 @@ from lightning_colossal.checkpoint.sharded import (
     saved_shapes,
 )
 from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.strategies._lightning_private import _collect_rng_states, _set_rng_states, lightning_load
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 from lightning_colossal.strategies.processes import ProcessGroupMixin
@@ -130,7 +130,9 @@ class CheckpointingMixin(ProcessGroupMixin):
         optimizer_states = checkpoint.pop("optimizer_states", None)
         for index, state in enumerate(optimizer_states or []):
             tensor_state[optimizer_key(index)] = state
-        tensor_state[RNG_KEY] = {rng_key(self.global_rank): _collect_rng_states(include_cuda=torch.cuda.is_available())}
+        tensor_state[RNG_KEY] = {
+            rng_key(self.global_rank): _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)
+        }
         checkpoint[FORMAT_KEY] = {
             "format_version": FORMAT_VERSION,
             "strategy": type(self).__name__,
@@ -231,7 +233,7 @@ class CheckpointingMixin(ProcessGroupMixin):
         own_rng = rng_key(self.global_rank)
         restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
         if restores_rng:
-            tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=torch.cuda.is_available())}
+            tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)}
         load_sharded(shards, tensor_state, allow_partial=not strict)
         self._on_model_state_loaded()
         for index, settings in held_back.items():

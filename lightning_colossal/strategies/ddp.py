@@ -18,6 +18,7 @@ keeps every rank issuing the same collective. Gradient compression does not appl
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -39,6 +40,12 @@ from lightning_colossal.strategies._lightning_private import (
     _sync_module_states,
 )
 from lightning_colossal.strategies.base import ColossalStrategy
+
+# Newer torch split DDP's broadcast_buffers into forward_sync_buffers and deprecated the old name (2.13 has both,
+# 2.11 only broadcast_buffers).
+_DDP_TAKES_FORWARD_SYNC_BUFFERS = (
+    "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+)
 
 
 class ColossalDDPStrategy(ColossalStrategy):
@@ -119,11 +126,16 @@ class ColossalDDPStrategy(ColossalStrategy):
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
         # torch warns whenever DDP gets broadcast_buffers, even the default: pass it only when the user did (and was
         # warned once by the constructor), so that a plain colossal_ddp run stays quiet.
-        buffer_sync: dict[str, bool] = (
-            {"broadcast_buffers": config.broadcast_buffers}
-            if config.broadcast_buffers is not None
-            else {"forward_sync_buffers": config.forward_sync_buffers}
-        )
+        buffer_sync: dict[str, bool]
+        if config.broadcast_buffers is not None:
+            buffer_sync = {"broadcast_buffers": config.broadcast_buffers}
+        elif _DDP_TAKES_FORWARD_SYNC_BUFFERS:
+            buffer_sync = {"forward_sync_buffers": config.forward_sync_buffers}
+        else:
+            # torch before 2.13 has broadcast_buffers only: it means forward_sync_buffers there, and False also skips
+            # the buffers' broadcast at wrap time (the strategy copies the first replica's running statistics before
+            # every step anyway: [Note: running statistics follow the first replica]).
+            buffer_sync = {"broadcast_buffers": config.forward_sync_buffers}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
             wrapped = DistributedDataParallel(

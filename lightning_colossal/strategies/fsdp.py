@@ -124,12 +124,14 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if not self._roots:
             # A module an earlier run left sharded (keep_weights_sharded=True) keeps its shards.
             self._roots = sharded_roots(self.lightning_module) or self._shard(self.lightning_module)
-        include_unused_parameters_in_reduction(self._roots)
+        torch_reduces_unused = include_unused_parameters_in_reduction(self._roots)
         self._gradient_tracker = None
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
-            self._gradient_tracker = UnusedGradientTracker(self.lightning_module, self.root_device)
+            self._gradient_tracker = UnusedGradientTracker(
+                self.lightning_module, self.root_device, torch_reduces_unused
+            )
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -162,7 +164,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
             activation_checkpointing=config.activation_checkpointing,
         )
         if template is not None:
-            initialise_shards(module, template, self.root_device, DEFAULT_INIT_WINDOW_BYTES)
+            # Under CPU offload FSDP2 holds the parameter shards on the host and refuses them anywhere else.
+            parameter_device = torch.device("cpu") if config.cpu_offload else None
+            initialise_shards(module, template, self.root_device, DEFAULT_INIT_WINDOW_BYTES, parameter_device)
         return roots
 
     @contextmanager
@@ -181,7 +185,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
         tracker = self._gradient_tracker
         if tracker is not None:
             assert self.lightning_module is not None
-            tracker.before_backward(closure_loss, self.lightning_module)
+            closure_loss = tracker.before_backward(closure_loss, self.lightning_module)
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if tracker is not None and not self._gradient_sync_blocked:
             tracker.after_synchronising_backward()

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_colossal.config import StartMethod
 from lightning_colossal.distributed import ParallelDims, build_device_mesh, collectives, group_cache
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.strategies._lightning_private import (
     _get_default_process_group_backend_for_device,
@@ -146,10 +147,11 @@ class ProcessGroupMixin(ParallelStrategy):
                     f"Trainer(devices={self.num_processes}) starts {self.num_processes} CPU processes on {cores} cores:"
                     f" they share cores and train slower than devices={cores} would."
                 )
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = devices.device_count(device.type)
+        if device.type == "cuda" and (device.index or 0) >= count:
             raise ValueError(
                 f"Trainer(devices={len(self.parallel_devices)}) asks for GPU {device.index} but this machine has"
-                f" {torch.cuda.device_count()}: pass `devices` <= {torch.cuda.device_count()}."
+                f" {count}: pass `devices` <= {count}."
             )
 
     def _validate_world_size(self) -> None:

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
 from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
+from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.distributed.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
@@ -151,9 +152,12 @@ class ZeroEngine:
         if self.masters_alias_parameters:
             return None, None
         total = sum(member.spec.local_numel for member in self.members)
-        pin = self.offload_device.type == "cpu" and self.compute_device.type == "cuda"
-        masters = torch.empty(total, dtype=torch.float32, device=self.offload_device, pin_memory=pin)
-        gradients = torch.zeros(total, dtype=torch.float32, device=self.offload_device, pin_memory=pin)
+        if self.offload_device.type == "cpu":
+            masters = devices.host_buffer(total, torch.float32, beside=self.compute_device)
+            gradients = devices.host_buffer(total, torch.float32, beside=self.compute_device, zeroed=True)
+        else:
+            masters = torch.empty(total, dtype=torch.float32, device=self.offload_device)
+            gradients = torch.zeros(total, dtype=torch.float32, device=self.offload_device)
         return masters, gradients
 
     def _master_view(self, offset: int, member: ReducedParameter) -> Tensor:
@@ -179,6 +183,7 @@ class ZeroEngine:
         of parameters that no rank gave a gradient get none (sharded_state.py [Note: gradients nobody produced])."""
         received = sharded_state.received_on_any_rank(self.reducer.received, self.process_group)
         offset = 0
+        copies: list[tuple[Tensor, Tensor]] = []
         for member, master, member_received in zip(self.members, self.masters, received, strict=True):
             if not member_received:
                 master.grad = None
@@ -190,11 +195,32 @@ class ZeroEngine:
             else:
                 numel = member.spec.local_numel
                 target = self.master_gradient_buffer[offset : offset + numel].view(member.spec.local_shape)
-                target.copy_(gradient, non_blocking=True)
+                copies.append((target, gradient))
                 master.grad = target
                 offset += numel
-        if self.master_gradient_buffer is not None and self.compute_device.type == "cuda":
-            torch.cuda.current_stream(self.compute_device).synchronize()  # the optimizer reads them on the host
+        devices.copy_all(copies)  # waited for: the optimizer reads them on the host
+        replicated = [
+            master.grad
+            for member, master in zip(self.members, self.masters, strict=True)
+            if member.spec.replicated and master.grad is not None
+        ]
+        if replicated and self._sums_differ_per_slot():
+            # [Note: replicated parameters follow rank 0]
+            # A zero-dimensional parameter's gradient goes into every rank's slot and each rank keeps its own slot's
+            # sum. NCCL's ring reduce-scatter adds each slot up in a different order, so at 3+ ranks those sums can
+            # differ in the last bits, and replicas stepped from them would drift apart step after step. Every rank
+            # takes rank 0's (one small broadcast); the point-to-point route on gloo adds every slot in rank order.
+            with Activity("giving every rank rank 0's gradients of replicated parameters"):
+                collectives.broadcast_tensors(replicated, source_rank=0, group=self.process_group)
+
+    def _sums_differ_per_slot(self) -> bool:
+        """Whether ranks may hold different bits for the same replicated gradient ([Note: replicated parameters follow
+        rank 0]): stage 2 reduce-scattering with the backend's own collective."""
+        return (
+            isinstance(self.reducer, Stage2Reducer)
+            and self.use_scatter_gather
+            and not collectives.sends_directly(self.process_group)
+        )
 
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica, then clear gradients for the next step."""
@@ -202,7 +228,7 @@ class ZeroEngine:
             with torch.no_grad():
                 if self.master_buffer is not None:
                     for member, master in zip(self.members, self.masters, strict=True):
-                        _owned_rows(member.parameter.data, member).copy_(master, non_blocking=True)
+                        devices.copy_into(_owned_rows(member.parameter.data, member), master)
                 self.sync_parameters()
         self.reducer.zero_gradients()
         if self.master_gradient_buffer is not None:
@@ -257,7 +283,8 @@ class ZeroEngine:
         slots = gathered.view(self.world_size, slot)
         offset = 0
         for member in members:
-            # A replicated parameter keeps its own value: every rank stepped it from the same averaged gradient.
+            # A replicated parameter keeps its own value: every rank stepped it from the same averaged gradient
+            # ([Note: replicated parameters follow rank 0]).
             if not member.spec.replicated:
                 rows_from_slots(slots, offset, member.spec, member.parameter.data.view(-1))
             offset += member.spec.slot_numel

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -34,6 +35,18 @@ NUM_EXPERTS = 4
 BATCH = 4
 EXACT = {"rtol": 1e-5, "atol": 1e-6}
 
+
+class FSDPWithoutUnusedReduction(ColossalFSDPStrategy):
+    """colossal_fsdp as on torch without ``set_reduce_scatter_unused_params`` (2.11): every rank's reduce-scatter gets
+    the same parameters from the zero terms ``UnusedGradientTracker`` adds to the loss instead."""
+
+    def setup(self, trainer: Any) -> None:
+        with mock.patch(
+            "lightning_colossal.strategies.fsdp.include_unused_parameters_in_reduction", lambda roots: False
+        ):
+            super().setup(trainer)
+
+
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "ddp": lambda: ColossalDDPStrategy(find_unused_parameters=True),
     "zero1": lambda: ZeroStrategy(stage=1),
@@ -41,6 +54,7 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     # Small chunks: every expert lives in chunks of its own, so skipping an expert skips gathers.
     "gemini": lambda: GeminiStrategy(chunk_numel=80),
     "fsdp": lambda: ColossalFSDPStrategy(),
+    "fsdp_older_torch": lambda: FSDPWithoutUnusedReduction(),
 }
 
 

@@ -21,14 +21,15 @@ SCRIPT = textwrap.dedent(
     import sys, torch
     from lightning_colossal import ColossalFSDPStrategy
     from tests.distributed.oracle import float_state, new_module, oracle_train, quiet_trainer
+    from tests.gpu.probes import OnDevice
 
     precision, path, phase = sys.argv[1], sys.argv[2], sys.argv[3]
     module = new_module()
     trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=ColossalFSDPStrategy(), precision=precision,
-                            max_epochs=1 if phase == "save" else 2, gradient_clip_val=0.05)
+                            max_epochs=1 if phase == "save" else 2, gradient_clip_val=0.05,
+                            callbacks=[OnDevice()])
     trainer.fit(module, ckpt_path=path if phase == "resume" else None)
     assert trainer.strategy.process_group_backend == "nccl", trainer.strategy.process_group_backend
-    assert all(parameter.device.type == "cuda" for parameter in module.parameters())
     if phase == "save":
         trainer.save_checkpoint(path)
         oracle = oracle_train(world_size=1, steps=trainer.global_step, clip_norm=0.05)

@@ -21,15 +21,16 @@ SCRIPT = textwrap.dedent(
     from lightning_colossal import HybridParallelStrategy
     from tests.distributed.hybrid_bodies import MODEL_SEED, TinyGPTModule, full_weights
     from tests.distributed.oracle import quiet_trainer
+    from tests.gpu.probes import OnDevice
 
     meta = sys.argv[1] == "meta"
     seed_everything(MODEL_SEED, verbose=False)
     # Small windows: several initialisation passes, each restarting the CUDA random stream.
     strategy = HybridParallelStrategy(init_window_bytes=4096)
     module = TinyGPTModule(meta=True) if meta else TinyGPTModule()
-    trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=2, precision="bf16-mixed")
+    trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=2, precision="bf16-mixed",
+                            callbacks=[OnDevice()])
     trainer.fit(module)
-    assert all(parameter.device.type == "cuda" for parameter in module.parameters())
     torch.save(full_weights(module, strategy), sys.argv[2])
     """
 )

@@ -21,15 +21,16 @@ SCRIPT = textwrap.dedent(
     import sys, torch
     from lightning_colossal import ZeroStrategy
     from tests.distributed.oracle import float_state, new_module, oracle_train, quiet_trainer
+    from tests.gpu.probes import OnDevice
 
     stage, offload, precision, path, phase = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4], sys.argv[5]
     module = new_module()
     strategy = ZeroStrategy(stage=stage, cpu_offload=offload)
     trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, precision=precision,
-                            max_epochs=1 if phase == "save" else 2, gradient_clip_val=0.05)
+                            max_epochs=1 if phase == "save" else 2, gradient_clip_val=0.05,
+                            callbacks=[OnDevice()])
     trainer.fit(module, ckpt_path=path if phase == "resume" else None)
     engine = trainer.strategy.engine
-    assert next(module.parameters()).device.type == "cuda"
     if offload:
         assert engine.master_buffer.device.type == "cpu" and engine.master_buffer.is_pinned()
     if phase == "save":
