@@ -594,3 +594,37 @@ def test_blocks_nested_in_blocks_are_sharded_innermost_first_and_train_like_ddp(
     assert any(not torch.equal(initial[name], value) for name, value in replicated["parameters"].items())
     for name, value in replicated["parameters"].items():
         torch.testing.assert_close(sharded["parameters"][name], value, **FP32, msg=name)
+
+
+def offload_meta_seam_body(cpu_offload: bool) -> dict[str, Any]:
+    """What the strategy hands ``initialise_shards`` for a meta model, and where the parameters end up."""
+    from unittest import mock
+
+    from lightning.pytorch import seed_everything
+
+    import lightning_colossal.strategies.fsdp as fsdp_strategy
+
+    handed: dict[str, Any] = {}
+    original = fsdp_strategy.initialise_shards
+
+    def spy(module: Any, template: Any, device: torch.device, window: int, parameter_device: Any = None) -> None:
+        handed["parameter_device"] = parameter_device
+        original(module, template, device, window, parameter_device)
+
+    seed_everything(5, verbose=False)
+    trainer = quiet_trainer(
+        strategy=ColossalFSDPStrategy(cpu_offload=cpu_offload), devices=torch.distributed.get_world_size(), max_steps=1
+    )
+    with trainer.init_module(empty_init=True):
+        module = RegressionModule()
+    with mock.patch.object(fsdp_strategy, "initialise_shards", spy):
+        trainer.fit(module)
+    return handed
+
+
+@pytest.mark.parametrize("cpu_offload", [True, False], ids=["offload", "on-device"])
+def test_offload_materialises_a_meta_model_on_the_host(rank_pool_2, cpu_offload):
+    """FSDP2 with CPUOffloadPolicy refuses parameters materialised anywhere but the host (on a GPU the compute
+    device is not the host, so the strategy must say where, not rely on the two being the same as on CPU)."""
+    for handed in rank_pool_2.run(offload_meta_seam_body, cpu_offload):
+        assert handed["parameter_device"] == (torch.device("cpu") if cpu_offload else None), handed

@@ -309,10 +309,45 @@ def test_only_distributed_calls_collectives():
     )
 
 
+DEVICE_MODULE = Path("distributed") / "device.py"
+
+
+def _device_runtime_uses(tree):
+    """``torch.cuda`` attributes, ``torch.get_device_module``, and ``pin_memory=`` / ``non_blocking=`` keywords
+    (device.py [Note: copies between host and device])."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            if node.attr in ("cuda", "get_device_module"):
+                yield f"line {node.lineno}: torch.{node.attr}"
+        if isinstance(node, ast.Call):
+            for keyword in node.keywords:
+                if keyword.arg in ("pin_memory", "non_blocking"):
+                    yield f"line {node.lineno}: {keyword.arg}="
+
+
+def test_only_the_device_module_calls_the_device_runtime():
+    # FSDP2's CPUOffloadPolicy takes pin_memory= as its own setting, not a copy; it is the one exception.
+    exceptions = {(Path("fsdp") / "wrap.py", "pin_memory=")}
+    offenders = []
+    for relative, tree in _modules():
+        if relative == DEVICE_MODULE:
+            continue
+        offenders.extend(
+            f"{relative}: {use}"
+            for use in _device_runtime_uses(tree)
+            if (relative, use.split(": ", 1)[1]) not in exceptions
+        )
+    assert not offenders, "call the device runtime through lightning_colossal.distributed.device:\n" + "\n".join(
+        offenders
+    )
+
+
 def test_the_scan_sees_violations():
     # Guard against a scan that can never fail: feed it code that breaks each rule.
     bad = ast.parse("import torch.distributed as dist\nimport lightning.pytorch\ndist.all_reduce(x)\n")
     assert list(_collective_calls(bad))
+    device_calls = ast.parse("torch.cuda.synchronize()\nx.to('cpu', non_blocking=True)\ntorch.empty(3, pin_memory=True)\n")
+    assert len(list(_device_runtime_uses(device_calls))) == 3
     assert any(name.startswith("lightning") for name in _imported_names(bad))
     assert list(_modules()), "found no modules: the package path is wrong"
     # The transitive walk: an engine reaching the demo through a package __init__, then lightning.
