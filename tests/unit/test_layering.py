@@ -346,7 +346,9 @@ def test_the_scan_sees_violations():
     # Guard against a scan that can never fail: feed it code that breaks each rule.
     bad = ast.parse("import torch.distributed as dist\nimport lightning.pytorch\ndist.all_reduce(x)\n")
     assert list(_collective_calls(bad))
-    device_calls = ast.parse("torch.cuda.synchronize()\nx.to('cpu', non_blocking=True)\ntorch.empty(3, pin_memory=True)\n")
+    device_calls = ast.parse(
+        "torch.cuda.synchronize()\nx.to('cpu', non_blocking=True)\ntorch.empty(3, pin_memory=True)\n"
+    )
     assert len(list(_device_runtime_uses(device_calls))) == 3
     assert any(name.startswith("lightning") for name in _imported_names(bad))
     assert list(_modules()), "found no modules: the package path is wrong"
