@@ -128,6 +128,10 @@ def declared_backend_devices(name: str, device_types: tuple[str, ...]) -> Iterat
 def _on_group_device(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """``tensor`` itself when ``group`` takes it, else a copy on the group's device ([Note: small collectives on the
     group's device])."""
+    if torch.compiler.is_compiling():
+        # A compiled forward's collectives take activations, already on the compute device; and dynamo cannot read a
+        # process group's attributes.
+        return tensor
     types = group_device_types(group)
     if tensor.device.type in types:
         return tensor
@@ -142,8 +146,10 @@ def _back_in_place(tensor: torch.Tensor, moved: torch.Tensor) -> None:
 def require_group_device(tensor: torch.Tensor, group: ProcessGroup | None, collective: str) -> None:
     """Raise unless ``group`` takes ``tensor`` where it is (the bulk exchanges, [Note: small collectives on the
     group's device])."""
+    if not is_initialized() or torch.compiler.is_compiling():  # dynamo cannot read a process group's attributes
+        return
     types = group_device_types(group)
-    if is_initialized() and tensor.device.type not in types:
+    if tensor.device.type not in types:
         raise RuntimeError(
             f"{collective} of a {tensor.device.type} tensor ({tuple(tensor.shape)}, {tensor.dtype}) on a"
             f" {backend(group)} process group, which takes {', '.join(types)} tensors only. This is a placement bug"
