@@ -141,7 +141,15 @@ class LocalGradientClipper:
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        gradients = [param.grad for param in parameters if param.grad is not None]
+        if not any(isinstance(gradient, DTensor) for gradient in gradients):
+            torch.nn.utils.clip_grad_value_(parameters, clip_value)
+            return
+        # FSDP: clamp each rank's shard where it lives. torch 2.11's clip_grad_value_ fails on a rank whose shards
+        # are all empty (its fused clamp refuses an empty list).
+        for local in (_local(gradient) for gradient in gradients):
+            if local.numel():
+                local.clamp_(-clip_value, clip_value)
 
     def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
         gradients = [
