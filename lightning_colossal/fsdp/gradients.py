@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.autograd_graph import leaves_reached_from
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.fsdp.wrap import parameter_groups
 
 
 def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> bool:
@@ -92,7 +93,7 @@ def _unsharded_parameters(module: nn.Module) -> list[tuple[nn.Parameter, Tensor]
         if not isinstance(unit, FSDPModule):
             continue
         state = unit._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
+        for group in parameter_groups(state):
             for fsdp_parameter in group.fsdp_params:
                 unsharded = getattr(fsdp_parameter, "_unsharded_param", None)
                 if unsharded is not None:

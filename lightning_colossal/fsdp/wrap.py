@@ -192,7 +192,7 @@ def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Param
     replaced: dict[int, nn.Parameter] = {}
     for unit in units:
         state = unit._get_fsdp_state()
-        for group in _parameter_groups(state):
+        for group in parameter_groups(state):
             for fsdp_parameter in group.fsdp_params:
                 sharded = fsdp_parameter.sharded_param
                 plain = nn.Parameter(full_tensor(sharded).to(device), requires_grad=sharded.requires_grad)
@@ -244,11 +244,12 @@ def full_tensor(tensor: Tensor) -> Tensor:
     return tensor.full_tensor()
 
 
-def _parameter_groups(state: Any) -> list[Any]:
+def parameter_groups(state: Any) -> list[Any]:
+    """The FSDP parameter groups of a unit's state, under the attribute of whichever torch is installed."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)  # torch releases before per-parameter meshes
+    group = getattr(state, "_fsdp_param_group", None)  # torch before per-parameter meshes (2.11 has this one)
     return [group] if group is not None else []
 
 

@@ -110,6 +110,7 @@ def choose_evictions(
     raise BudgetTooSmall(
         f"{budget} usable bytes of compute memory cannot hold this module's working set: it needs at least {required}"
         f" bytes ({needed_bytes + resident_bytes - sum(evictable_bytes.values())} of chunks in use and"
-        f" {non_model_bytes} of activations). Raise AutoPlacement(compute_memory_budget=...) to at least {required},"
+        f" {non_model_bytes} of non-model memory: activations, and on a GPU the libraries' workspaces, such as"
+        f" cuBLAS's 32 MiB). Raise AutoPlacement(compute_memory_budget=...) to at least {required},"
         " or use smaller chunks (chunk_numel) or a smaller batch."
     )

@@ -25,6 +25,19 @@ from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 
 
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, without the start-up messages a rank would send itself.
+
+    torch 2.11 opens a zero-bubble V schedule with a handshake between neighbouring stages, and in the V the two
+    middle stages sit on the same rank: that rank sends to itself, which gloo refuses ("Pair is not connected").
+    Those messages carry nothing the rank does not have. Later torch replaced the handshake and never calls this.
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        own = collectives.rank(self.group)
+        return [operation for operation in super()._get_init_p2p_neighbors_ops() if operation.group_peer != own]
+
+
 @dataclass
 class PipelineResult:
     """What one pipeline step produced on this rank."""
@@ -73,7 +86,7 @@ class PipelineRunner:
         key = (num_microbatches, training)
         if key not in self._schedules:
             stages = [
-                PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                _Stage(module, index, self.num_stages, self.device, group=self.group)
                 for module, index in zip(self.stage_modules, self.stage_indices, strict=True)
             ]
             loss = _scaled_loss(self.loss_function, num_microbatches) if training else None

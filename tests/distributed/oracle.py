@@ -152,13 +152,19 @@ def oracle_train(
     skip_steps: Sequence[int] = (),
     parameter_dtype: torch.dtype = torch.float32,
     frozen: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> OracleResult:
-    """Train like ``world_size`` data-parallel ranks would, in one process (unshuffled DistributedSampler order)."""
+    """Train like ``world_size`` data-parallel ranks would, in one process (unshuffled DistributedSampler order).
+
+    ``device="cuda"`` trains on the GPU (the mixed-precision reference of the GPU tests: autocast there runs the
+    GPU's kernels); the result's parameters are on the CPU either way.
+    """
     module = new_module(batch_size=batch_size, learning_rate=learning_rate, frozen=frozen).to(parameter_dtype)
+    module = module.to(device)
     model = module.model
     optimizer = build_optimizer(module, learning_rate)
     dataset = make_dataset()
-    inputs, targets = (tensor.to(parameter_dtype) for tensor in dataset.tensors)
+    inputs, targets = (tensor.to(device=device, dtype=parameter_dtype) for tensor in dataset.tensors)
     result = OracleResult()
     micro_batches = _rank_micro_batches(dataset, world_size, batch_size)
     for step in range(steps):
@@ -166,7 +172,7 @@ def oracle_train(
         losses = []
         for _ in range(accumulate):
             for chosen in next(micro_batches):
-                with torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else _no_context():
+                with torch.autocast(device, dtype=autocast_dtype) if autocast_dtype else _no_context():
                     prediction = model(inputs[chosen])
                 losses.append(nn.functional.mse_loss(prediction.float(), targets[chosen].float()))
         loss = torch.stack(losses).mean()
@@ -183,7 +189,7 @@ def oracle_train(
         if clip_value is not None:
             torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
         optimizer.step()
-    result.parameters = float_state(module)
+    result.parameters = {name: tensor.cpu() for name, tensor in float_state(module).items()}
     return result
 
 

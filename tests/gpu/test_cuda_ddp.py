@@ -21,7 +21,8 @@ SCRIPT = textwrap.dedent(
     import sys, torch
     import lightning_colossal
     from lightning_colossal import ColossalDDPStrategy
-    from tests.distributed.oracle import float_state, new_module, oracle_train, quiet_trainer
+    from tests.distributed.oracle import new_module, quiet_trainer
+    from tests.gpu.probes import check_against_oracle
 
     precision, path, phase = sys.argv[1], sys.argv[2], sys.argv[3]
     module = new_module()
@@ -34,11 +35,7 @@ SCRIPT = textwrap.dedent(
         trainer.save_checkpoint(path)
         scaler = trainer.precision_plugin.loss_scaler
         print("scale", None if scaler is None else scaler.scale)
-        oracle = oracle_train(world_size=1, steps=trainer.global_step, batch_size=4)
-        state = float_state(module)
-        worst = max((state[name] - oracle.parameters[name]).abs().max().item() for name in state)
-        print("worst", worst)
-        assert worst < 5e-2, worst
+        check_against_oracle(module, trainer.global_step, precision)
     print("step", trainer.global_step)
     """
 )

@@ -1,5 +1,5 @@
 """CUDA-only checks of ColossalFSDPStrategy (skipped without a GPU): FSDP2 over NCCL at one rank, fp32 and
-bf16-mixed, against the CPU oracle; a checkpoint saved from GPU shards resumes on the GPU.
+bf16-mixed, against the oracle (tests/gpu/probes.py says which, by precision); a checkpoint saved from GPU shards resumes on the GPU.
 
 Each test runs a fresh interpreter so the process group and CUDA context never leak into the pytest process.
 """
@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from lightning_colossal import ColossalFSDPStrategy
-    from tests.distributed.oracle import float_state, new_module, oracle_train, quiet_trainer
-    from tests.gpu.probes import OnDevice
+    from tests.distributed.oracle import new_module, quiet_trainer
+    from tests.gpu.probes import OnDevice, check_against_oracle
 
     precision, path, phase = sys.argv[1], sys.argv[2], sys.argv[3]
     module = new_module()
@@ -32,11 +32,7 @@ SCRIPT = textwrap.dedent(
     assert trainer.strategy.process_group_backend == "nccl", trainer.strategy.process_group_backend
     if phase == "save":
         trainer.save_checkpoint(path)
-        oracle = oracle_train(world_size=1, steps=trainer.global_step, clip_norm=0.05)
-        state = float_state(module)
-        worst = max((state[name] - oracle.parameters[name]).abs().max().item() for name in state)
-        print("worst", worst)
-        assert worst < (1e-4 if precision == "32-true" else 5e-2), worst
+        check_against_oracle(module, trainer.global_step, precision, clip_norm=0.05, weights=precision == "32-true")
     print("step", trainer.global_step)
     """
 )

@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from lightning_colossal import ZeroStrategy
-    from tests.distributed.oracle import float_state, new_module, oracle_train, quiet_trainer
-    from tests.gpu.probes import OnDevice
+    from tests.distributed.oracle import new_module, quiet_trainer
+    from tests.gpu.probes import OnDevice, check_against_oracle
 
     stage, offload, precision, path, phase = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4], sys.argv[5]
     module = new_module()
@@ -35,11 +35,7 @@ SCRIPT = textwrap.dedent(
         assert engine.master_buffer.device.type == "cpu" and engine.master_buffer.is_pinned()
     if phase == "save":
         trainer.save_checkpoint(path)
-        oracle = oracle_train(world_size=1, steps=trainer.global_step, clip_norm=0.05)
-        state = float_state(module)
-        worst = max((state[name] - oracle.parameters[name]).abs().max().item() for name in state)
-        print("worst", worst)
-        assert worst < (1e-4 if precision == "32-true" else 5e-2), worst
+        check_against_oracle(module, trainer.global_step, precision, clip_norm=0.05)
     print("step", trainer.global_step)
     """
 )
