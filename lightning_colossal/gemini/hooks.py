@@ -31,6 +31,19 @@ run the same modules pay one small all-reduce per round. During backward no rank
 before that final round (a rank waiting on a reduction that another rank can only start after a gather would
 deadlock), so reductions in flight are bounded only after it.
 
+[Note: reductions launched at agreed points]
+The two groups keep their own sequences identical on every rank, but NCCL also asks that communicators which can
+block each other see their operations in one order across ranks: each is a kernel that spins until its peers join, and
+a rank whose reduction kernel waits while its peer's gather kernel waits behind a device-wide synchronisation (the
+caching allocator freeing memory, one hardware queue under CUDA_DEVICE_MAX_CONNECTIONS=1) hangs both. Ranks reach a
+complete chunk at different moments whenever their gradients differ (experts without tokens), so on a route where
+the groups are such communicators (everything but gloo's point-to-point exchanges, which progress each group on its
+own threads) a complete chunk is not reduced at once: each gather round's all-reduce also carries how many chunks,
+in the fixed order, each rank has complete, and every rank then launches the smallest of those counts, between the
+round's agreement and its gathers. The end of backward launches the rest. Every rank therefore issues the same
+sequence over both groups; a rank ahead of the others holds its complete chunks' full gradients until the slowest
+catches up (on ranks that run the same modules, that is never).
+
 [Note: the end of a forward]
 Only Gemini's own code enters gather rounds, so a rank that has finished its forward must keep serving rounds until
 every rank has: a rank that went on to another collective first (``self.log(..., sync_dist=True)`` in the training
@@ -138,6 +151,8 @@ class ChunkHooks:
             for position, parameter in enumerate(p for chunk in manager.chunks for p in chunk.parameters)
         }
         self.received = torch.zeros(len(self._flag_of), dtype=torch.float32, device=compute_device)
+        # [Note: reductions launched at agreed points]
+        self.reductions_wait_for_rounds = self.world_size > 1 and not collectives.sends_directly(process_group)
 
     def _install(self, module: nn.Module) -> None:
         for module_id, submodule in enumerate(module.modules()):
@@ -278,15 +293,19 @@ class ChunkHooks:
             union = sorted(requested)
             anyone_asked = bool(requested)
         else:
-            flags = torch.zeros(len(chunks) + 1, dtype=torch.float32, device=self.compute_device)
+            # Per chunk "someone asked", then "anyone asked", then minus this rank's complete chunks (a MAX of
+            # negated counts is minus the smallest: [Note: reductions launched at agreed points]).
+            flags = torch.zeros(len(chunks) + 2, dtype=torch.float32, device=self.compute_device)
             if requested:
                 flags[sorted(requested)] = 1.0
-                flags[-1] = 1.0
+                flags[-2] = 1.0
+            flags[-1] = -float(self._complete_in_order()) if self.reductions_wait_for_rounds else 0.0
             with Activity(_describe_round, requested, chunks):
                 collectives.all_reduce(flags, op="max", group=self.process_group)
-            asked = flags.bool().tolist()
-            union = [index for index in range(len(chunks)) if asked[index]]
-            anyone_asked = asked[-1]
+            agreed = flags.tolist()
+            union = [index for index in range(len(chunks)) if agreed[index] > 0]
+            anyone_asked = agreed[-2] > 0
+            self._launch_reductions(int(-agreed[-1]), force=False)
         for index in union:
             chunk = chunks[index]
             if index in requested and chunk.state is ChunkState.SHARDED:
@@ -384,9 +403,27 @@ class ChunkHooks:
         self._reduce_in_order(force=False)
 
     def _reduce_in_order(self, force: bool) -> None:
-        # See [Note: fixed reduction order].
-        while self._next_to_reduce >= 0:
+        # See [Note: fixed reduction order]; on some routes only at agreed points ([Note: reductions launched at
+        # agreed points]).
+        if force or not self.reductions_wait_for_rounds:
+            self._launch_reductions(None, force)
+
+    def _complete_in_order(self) -> int:
+        """How many chunks, in the fixed reduction order from the next one, have all their gradients here."""
+        count = 0
+        for index in range(self._next_to_reduce, -1, -1):
+            chunk = self.manager.chunks[index]
+            if not chunk.frozen and chunk.gradients_arrived < chunk.gradients_expected:
+                break
+            count += 1
+        return count
+
+    def _launch_reductions(self, limit: int | None, force: bool) -> None:
+        """Reduce chunks in the fixed order: the complete ones (every one with ``force``), at most ``limit``."""
+        while self._next_to_reduce >= 0 and (limit is None or limit > 0):
             chunk = self.manager.chunks[self._next_to_reduce]
+            if limit is not None:
+                limit -= 1  # a frozen chunk counts as complete in _complete_in_order too
             if chunk.frozen:  # nothing to reduce ([Note: frozen chunks in backward])
                 self._next_to_reduce -= 1
                 continue

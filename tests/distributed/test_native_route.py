@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, seed_everything
+from lightning.pytorch import Callback, LightningModule, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -117,3 +117,51 @@ def test_replicated_parameters_stay_identical_on_every_rank(rank_pool_4, native)
     assert first.item() != pytest.approx(0.7, abs=1e-6), "the temperature did not train: the check proves nothing"
     for result in results[1:]:
         assert torch.equal(result["temperature"], first), [result["temperature"].item() for result in results]
+
+
+# ------------------------------------------------------------------- one order over Gemini's two groups (NCCL-like)
+def gemini_collective_sequence_body() -> list[tuple[str, str, tuple[int, ...]]]:
+    """Train the mixture of experts whose experts get tokens on some ranks only, under Gemini on the native route,
+    and return this rank's collectives over both of Gemini's groups in the order it issued them."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from lightning_colossal import GeminiStrategy
+    from tests.distributed.test_unused_and_tied_parameters import WORLD_SIZE, MoEModule
+
+    issued: list[tuple[str, int, tuple[int, ...]]] = []
+    names = ("all_reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single")
+    names += ("all_gather_into_tensor", "all_gather_single")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def recording(name: str) -> Any:
+        def call(*args: Any, group: Any = None, **kwargs: Any) -> Any:
+            issued.append((name, id(group if group is not None else dist.group.WORLD), tuple(args[0].shape)))
+            return originals[name](*args, group=group, **kwargs)
+
+        return call
+
+    roles: dict[int, str] = {}
+
+    class GroupRoles(Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            engine = trainer.strategy.engine
+            roles.update({id(engine.process_group): "gathers", id(engine.reduce_group): "reductions"})
+
+    strategy = GeminiStrategy(chunk_numel=80)  # every expert in chunks of its own
+    trainer = quiet_trainer(
+        strategy=strategy, devices=WORLD_SIZE, max_steps=3, use_distributed_sampler=False, callbacks=[GroupRoles()]
+    )
+    with collectives.native_route(), mock.patch.multiple(dist, **{name: recording(name) for name in originals}):
+        trainer.fit(MoEModule("sgd"))
+    return [(name, roles[group], shape) for name, group, shape in issued if group in roles]
+
+
+def test_gemini_issues_one_order_over_both_groups_when_ranks_reach_different_chunks(rank_pool_2):
+    """NCCL's rule for communicators that can block each other ([Note: reductions launched at agreed points] in
+    ``gemini/hooks.py``): with experts that get tokens on one rank only, each rank still issues the same sequence of
+    collectives over Gemini's two groups, reductions interleaved with gathers at the same places."""
+    first, second = rank_pool_2.run(gemini_collective_sequence_body, timeout=180)
+    assert {role for _, role, _ in first} == {"gathers", "reductions"}
+    assert first == second
