@@ -14,8 +14,8 @@ clipping, and the checkpoint view, and the recorder fails the test the moment a 
 Not reachable here, and where they are checked instead: row 4 (an unwaited device-to-host copy: fake tensors have
 no values; forbidden by ``test_layering.py``'s device rule), row 6 (FSDP2's own kernels cannot run on fake tensors:
 the seam test ``test_offload_materialises_a_meta_model_on_the_host`` in ``tests/distributed/test_fsdp.py``), row 8
-(the fake unscale kernel does not check devices: a spy here checks what the CUDA kernel would), row 9 (ordering
-across NCCL communicators: not fixed, see docs/architecture.md), row 10 (bits of sums:
+(the fake unscale kernel does not check devices: a spy here checks what the CUDA kernel would), row 9 (one order over
+Gemini's two communicators needs ranks that behave differently: ``tests/distributed/test_native_route.py``), row 10 (bits of sums:
 ``tests/distributed/test_native_route.py``).
 """
 
@@ -226,7 +226,7 @@ def _gemini_step_order(rank: int) -> list[Any]:
 
 def test_gemini_issues_the_same_collectives_in_the_same_order_on_every_rank():
     """NCCL matches collectives by their order on each communicator: every rank must issue the same sequence on both
-    of Gemini's groups (the interleaving across the two is docs/architecture.md's open item on GPUs)."""
+    of Gemini's groups (ranks that run different modules: ``tests/distributed/test_native_route.py``)."""
     first, other = _gemini_step_order(1), _gemini_step_order(6)
     assert first == other
     assert {role for role, _, _ in first} >= {"gathers", "reductions"}
