@@ -118,8 +118,7 @@ def optimizer_gradients(optimizer: Optimizer) -> list[Tensor]:
     Sharded (DTensor) gradients are returned as their local shards: the fused unscale kernel works on plain
     tensors, and in-place changes to the shard are changes to the DTensor.
     """
-    gradients = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
-    return [gradient.to_local() if isinstance(gradient, DTensor) else gradient for gradient in gradients]
+    return [gradient.to_local() if isinstance(gradient, DTensor) else gradient for gradient in _gradients(optimizer)]
 
 
 class LocalGradientClipper:
@@ -127,53 +126,44 @@ class LocalGradientClipper:
 
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
-        gradients = [param.grad for param in parameters if param.grad is not None]
+        gradients = _gradients(optimizer)
         if not any(isinstance(gradient, DTensor) for gradient in gradients):
             return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         # FSDP: torch's clip_grad_norm_ would reduce the DTensor norm on the mesh's device, which fails for shards
-        # offloaded to the host on an NCCL mesh. The norm here is the one gradient_norm reports (one scalar moved to
-        # the group's device), and the coefficient is torch's.
-        norm = self.gradient_norm(optimizer, 2.0)
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for device_gradients in _by_device([_local(gradient) for gradient in gradients]):
-            torch._foreach_mul_(device_gradients, coefficient.to(device_gradients[0].device))
-        return norm
+        # offloaded to the host on an NCCL mesh. The sharded engines' clipping takes the shards where they are and
+        # sums one scalar on the group's device.
+        local = optimizer_gradients(optimizer)
+        return sharded_state.scale_to_global_norm(local, _counted_pieces(gradients), max_norm, None, local[0].device)
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         parameters = [param for group in optimizer.param_groups for param in group["params"]]
-        gradients = [param.grad for param in parameters if param.grad is not None]
-        if not any(isinstance(gradient, DTensor) for gradient in gradients):
+        if not any(isinstance(gradient, DTensor) for gradient in _gradients(optimizer)):
             torch.nn.utils.clip_grad_value_(parameters, clip_value)
             return
         # FSDP: clamp each rank's shard where it lives. torch 2.11's clip_grad_value_ fails on a rank whose shards
         # are all empty (its fused clamp refuses an empty list).
-        for local in (_local(gradient) for gradient in gradients):
+        for local in optimizer_gradients(optimizer):
             if local.numel():
                 local.clamp_(-clip_value, clip_value)
 
     def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
-        gradients = [
-            param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None
-        ]
+        gradients = _gradients(optimizer)
         if not any(isinstance(gradient, DTensor) for gradient in gradients):
             # Every rank holds the whole reduced gradient (DDP): nothing to sum across ranks.
             whole = [gradient for gradient in gradients if gradient.numel()]
             return torch.nn.utils.get_total_norm(whole, norm_type) if whole else torch.zeros(())
-        # FSDP: DTensor shards (a rank's may be empty, which torch's max-norm refuses). Each element is counted on
-        # one rank: its shard's owner, at coordinate 0 of every mesh dimension that replicates it.
-        counted = [piece for gradient in gradients if (piece := _counted_piece(gradient)) is not None]
-        return sharded_state.global_norm(counted, None, _local(gradients[0]).device, norm_type)
+        device = optimizer_gradients(optimizer)[0].device
+        return sharded_state.global_norm(_counted_pieces(gradients), None, device, norm_type)
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _gradients(optimizer: Optimizer) -> list[Tensor]:
+    return [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
 
 
-def _by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
-    groups: dict[torch.device, list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device, []).append(tensor)
-    return list(groups.values())
+def _counted_pieces(gradients: list[Tensor]) -> list[Tensor]:
+    """FSDP: DTensor shards (a rank's may be empty, which torch's max-norm refuses). Each element is counted on one
+    rank: its shard's owner, at coordinate 0 of every mesh dimension that replicates it."""
+    return [piece for gradient in gradients if (piece := _counted_piece(gradient)) is not None]
 
 
 def _counted_piece(gradient: Tensor) -> Tensor | None:

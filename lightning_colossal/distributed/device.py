@@ -154,15 +154,13 @@ def host_buffer(numel: int, dtype: torch.dtype, beside: torch.device, zeroed: bo
     return factory(numel, dtype=dtype, device="cpu", pin_memory=pin)
 
 
-def to_host(tensor: Tensor, out: Tensor | None = None) -> Tensor:
-    """``tensor`` on the host, ready to be read there ([Note: copies between host and device]): into ``out`` when
-    given (any host tensor of the same shape), else a new tensor; ``tensor`` itself when it is already there."""
-    if out is None:
-        if not is_accelerator(tensor.device):
-            return tensor
-        out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=bool(_runtime.can_pin()))
-    out.copy_(tensor, non_blocking=True)
-    synchronize(tensor.device)
+def to_host(tensor: Tensor) -> Tensor:
+    """``tensor`` on the host, ready to be read there ([Note: copies between host and device]); ``tensor`` itself when
+    it is already there."""
+    if not is_accelerator(tensor.device):
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=bool(_runtime.can_pin()))
+    copy_all([(out, tensor)])
     return out
 
 
@@ -187,7 +185,4 @@ def copy_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
 
 def copy_into(target: Tensor, source: Tensor) -> None:
     """``target.copy_(source)`` across devices: asynchronous towards a device, waited for towards the host."""
-    if is_accelerator(source.device) and not is_accelerator(target.device):
-        to_host(source, out=target)
-    else:
-        target.copy_(source, non_blocking=is_accelerator(target.device))
+    copy_all([(target, source)])
