@@ -290,9 +290,10 @@ def _check_model_keys(path: Path, expected: set[str], available: set[str], stric
 def _check_optimizer_count(path: Path, saved: int, expected: int) -> None:
     if saved == 0:
         raise KeyError(
-            f"{path} holds no optimizer state (saved with weights_only=True?), so training cannot resume from it. Load"
-            " the weights with `LightningModule.load_state_dict` (or consolidate the checkpoint first) and call"
-            " `fit` without ckpt_path."
+            f"{path} holds no optimizer state, so training cannot resume from it: it was saved with no optimizer"
+            " state to save (before any fit, after validate/test/predict loaded other weights into a ZeRO or Gemini"
+            " run, or with weights_only=True). Load the weights with `LightningModule.load_state_dict` (or"
+            " consolidate the checkpoint first) and call `fit` without ckpt_path."
         )
     if saved != expected:
         raise ValueError(

@@ -11,7 +11,8 @@ between backward and the optimizer step. The Lightning side is the same for all 
   when it has one (``SkipsGradientSync``);
 - ``optimizer_step`` tells the engine whether the step happened: ``after_step(stepped=False)`` when the loss scaler
   skipped it;
-- the optimizer state is saved and loaded by name through the engine (``NameKeyedOptimizerState``);
+- the optimizer state is saved and loaded by name through the engine (``NameKeyedOptimizerState``), also after
+  the fit that built it ([Note: a fit's optimizer outlives the evaluation after it]);
 - ``teardown`` releases the engine (``_release_engine``), unless the release is a collective and the run failed.
 
 A mode names its engine type, implements ``_build_engine`` and says why the engine refuses manual optimization
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import lightning.pytorch as pl
@@ -53,6 +55,9 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.engine: EngineT | None = None
+        #: The engine of the last ``fit``, while it holds the optimizer state of the module's weights
+        #: ([Note: a fit's optimizer outlives the evaluation after it]).
+        self._fitted_engine: EngineT | None = None
 
     # ---------------------------------------------------------------------------------------------- set-up
     def setup(self, trainer: pl.Trainer) -> None:
@@ -66,18 +71,43 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
 
     def _setup_engine(self, trainer: pl.Trainer, fitting: bool) -> EngineT | None:
         """The engine this stage runs with; by default a new one from ``_build_engine`` over this stage's optimizer,
-        or over none outside fitting."""
+        or over none outside fitting.
+
+        [Note: a fit's optimizer outlives the evaluation after it]
+        Lightning's ``ddp`` keeps the optimizers (and LR schedulers) of the last ``fit`` through ``validate``, ``test``
+        and ``predict``, so ``trainer.save_checkpoint`` after ``fit`` then ``validate`` writes a checkpoint that resumes
+        exactly. Here the fit's optimizer state lives in its engine (sharded rows, chunks), and an evaluation stage
+        builds an engine of its own without an optimizer (Gemini: chunks to hold the model) or none (ZeRO). So the fit's
+        engine is kept, released, as ``_fitted_engine``: checkpoints take the optimizer state and the fp32 masters from
+        it (``_checkpoint_engine``). It describes the module's weights only while nothing replaces them: an evaluation
+        stage that loads a checkpoint (``validate(ckpt_path=...)``) forgets it with the optimizers, and a checkpoint
+        saved after that holds the weights only (resuming from it is refused with that reason). Lightning's ``ddp``
+        would pair the loaded weights with the fit's optimizer state; a sharded engine cannot, its masters would be
+        the fit's, not the loaded weights.
+        """
         if self.engine is not None:
             self._release_engine(self.engine)  # an earlier stage's; this stage builds its own
             self.engine = None
-        optimizer = None
-        if fitting:
-            optimizer = self._setup_single_optimizer(
-                trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
-            )
-        else:
+        if not fitting:
+            return self._build_engine(trainer, None)
+        self._fitted_engine = None
+        optimizer = self._setup_single_optimizer(
+            trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
+        )
+        self._fitted_engine = self._build_engine(trainer, optimizer)
+        return self._fitted_engine
+
+    def _checkpoint_engine(self) -> EngineT | None:
+        """The engine whose masters and optimizer state a checkpoint holds: the last fit's while it still describes
+        the module's weights, otherwise this stage's ([Note: a fit's optimizer outlives the evaluation after it])."""
+        return self._fitted_engine if self._fitted_engine is not None else self.engine
+
+    def _forget_earlier_fit(self) -> None:
+        """The module's weights are being replaced outside ``fit``: the last fit's optimizer state no longer belongs
+        to them."""
+        if self._fitted_engine is not None and self._fitted_engine is not self.engine:
+            self._fitted_engine = None
             self._drop_optimizers_of_earlier_fit()
-        return self._build_engine(trainer, optimizer)
 
     def _build_engine(self, trainer: pl.Trainer, optimizer: Optimizer | None) -> EngineT | None:
         """A new engine over the prepared model and ``optimizer`` (``None`` outside fitting); ``None`` when the mode
@@ -118,10 +148,15 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         return output
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        self._forget_earlier_fit()  # an evaluation stage loading other weights (fit's own engine is self.engine)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
     def optimizer_names_and_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not isinstance(self.engine, NameKeyedOptimizerState):
+        engine = self._checkpoint_engine()
+        if not isinstance(engine, NameKeyedOptimizerState):
             return super().optimizer_names_and_state(optimizer)
-        return self.engine.optimizer_state_by_name()
+        return engine.optimizer_state_by_name()
 
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         if not isinstance(self.engine, NameKeyedOptimizerState):

@@ -167,6 +167,12 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         state = self.engine.state_by_name()
         for name, value in self.lightning_module.state_dict().items():
             state.setdefault(name, value)
+        fitted = self._checkpoint_engine()
+        if fitted is not self.engine and fitted is not None:
+            # An evaluation stage after fit: its chunks were made from the (possibly rounded) parameters, the fit's
+            # engine still holds the fp32 masters its optimizer state belongs to (engine_strategy.py [Note: a fit's
+            # optimizer outlives the evaluation after it]).
+            state.update((name, value) for name, value in fitted.state_by_name().items() if name in state)
         return state
 
     def _on_model_state_loaded(self) -> None:

@@ -58,10 +58,8 @@ class OptimizerSetupMixin(ParallelStrategy):
         return unwrap_optimizer(self.optimizers[0])
 
     def _drop_optimizers_of_earlier_fit(self) -> None:
-        """Forget optimizers left over from an earlier ``fit`` when this stage (validate/test/predict) builds none.
-
-        Their parameter lists point at the earlier engine's shards, which this stage no longer drives, so their state
-        can neither be saved by name nor resumed: ``trainer.save_checkpoint`` now writes the weights only.
+        """Forget the optimizers and LR schedulers of an earlier ``fit`` once their state no longer belongs to the
+        module's weights (an evaluation stage loaded others): ``trainer.save_checkpoint`` then writes the weights only.
         """
         self.optimizers = []
         self.lr_scheduler_configs = []

@@ -84,7 +84,10 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
     def model_state_for_checkpoint(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        return state if self.engine is None else self.engine.with_precise_masters(state)
+        # After fit, the fit's engine still holds the unrounded masters (engine_strategy.py [Note: a fit's optimizer
+        # outlives the evaluation after it]).
+        engine = self._checkpoint_engine()
+        return state if engine is None else engine.with_precise_masters(state)
 
     def _on_model_state_loaded(self) -> None:
         if self.engine is not None:

@@ -88,8 +88,8 @@ def save_after_evaluation_body(spec: StrategySpec, directory: str) -> list[str]:
             for name, tensor in float_state(reloaded).items():
                 if not torch.equal(tensor, saved[name]):
                     failures.append(f"{case}: {name} differs after validate(ckpt_path=...)")
-            if spec[0] in ("zero", "gemini") or not fit_first:
-                # No optimizer existed (or it no longer drives the weights): the file must refuse to resume.
+            if not fit_first:
+                # No optimizer existed: the file must refuse to resume.
                 resumed = _evaluated_module()
                 with pytest.raises(KeyError, match="holds no optimizer state"):
                     quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=3).fit(resumed, ckpt_path=path)
@@ -99,6 +99,70 @@ def save_after_evaluation_body(spec: StrategySpec, directory: str) -> list[str]:
 @pytest.mark.parametrize("strategy_name", list(EVERY_STRATEGY))
 def test_save_checkpoint_after_evaluation_holds_the_weights(rank_pool_2, tmp_path, strategy_name):
     failures = rank_pool_2.run(save_after_evaluation_body, EVERY_STRATEGY[strategy_name], str(tmp_path), timeout=240)
+    assert failures == [[], []]
+
+
+# ------------------------------------------------------------------------------------------------ row 1b: resume
+def resume_after_evaluation_body(spec: StrategySpec, directory: str, precision: str) -> list[str]:
+    """fit, save, validate, save, test, save; each file resumes to the same weights, optimizer and LR schedule as the
+    file saved straight after fit (as under Lightning's ddp, which keeps the fit's optimizers). Then
+    validate(ckpt_path=...) loads other weights: a file saved after that holds the weights it loaded; under ZeRO and
+    Gemini it refuses to resume for lack of optimizer state (engine_strategy.py [Note: a fit's optimizer outlives the
+    evaluation after it]). Returns failures."""
+    failures = []
+    module = _evaluated_module()
+    module.with_scheduler = True  # the resumed runs must also continue the StepLR schedule (step_size 3)
+    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=2, precision=precision)
+    trainer.fit(module)
+    paths = {stage: str(Path(directory) / f"after-{stage}.ckpt") for stage in ("fit", "validate", "test")}
+    trainer.save_checkpoint(paths["fit"])
+    for stage in ("validate", "test"):
+        getattr(trainer, stage)(module, verbose=False)
+        trainer.save_checkpoint(paths[stage])
+    resumed: dict[str, dict[str, torch.Tensor]] = {}
+    later_path = str(Path(directory) / "later.ckpt")  # weights three steps further on
+    for stage, path in paths.items():
+        continued = _evaluated_module()
+        continued.with_scheduler = True
+        continued_trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=5, precision=precision)
+        continued_trainer.fit(continued, ckpt_path=path)
+        resumed[stage] = float_state(continued)
+        if stage == "fit":
+            continued_trainer.save_checkpoint(later_path)
+    for stage in ("validate", "test"):
+        for name, tensor in resumed["fit"].items():
+            if not torch.equal(resumed[stage][name], tensor):
+                difference = (resumed[stage][name] - tensor).abs().max().item()
+                failures.append(f"resumed from the file saved after {stage}: {name} differs by {difference}")
+    # Weights from elsewhere: the file saved next must hold them, not the fit's.
+    trainer.validate(module, ckpt_path=later_path, verbose=False)
+    reloaded_path = str(Path(directory) / "after-validate-ckpt_path.ckpt")
+    trainer.save_checkpoint(reloaded_path)
+    reloaded = _evaluated_module()
+    quiet_trainer(strategy=_strategy(spec), devices=2, precision=precision).validate(
+        reloaded, ckpt_path=reloaded_path, verbose=False
+    )
+    for name, tensor in float_state(reloaded).items():
+        if not torch.equal(tensor, resumed["fit"][name]):
+            failures.append(f"the file saved after validate(ckpt_path=...) holds another {name}")
+    if spec[0] in ("zero", "gemini"):
+        with pytest.raises(KeyError, match="holds no optimizer state"):
+            quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=3).fit(
+                _evaluated_module(), ckpt_path=reloaded_path
+            )
+    return failures
+
+
+@pytest.mark.parametrize(
+    ("strategy_name", "precision"),
+    [(name, "32-true") for name in EVERY_STRATEGY] + [("zero2", "bf16-true"), ("gemini", "bf16-true")],
+)
+def test_checkpoint_saved_after_evaluation_resumes_like_the_one_saved_after_fit(
+    rank_pool_2, tmp_path, strategy_name, precision
+):
+    failures = rank_pool_2.run(
+        resume_after_evaluation_body, EVERY_STRATEGY[strategy_name], str(tmp_path), precision, timeout=300
+    )
     assert failures == [[], []]
 
 
