@@ -239,6 +239,11 @@ class GeminiEngine:
 
         return self.tracer.saving_context(model_storages)
 
+    def gather_every_chunk(self) -> None:
+        """Make every chunked parameter whole until the next forward releases it (a collective: every rank)."""
+        if not self.detached:
+            self.hooks.gather_every_chunk()
+
     def finish_phase(self) -> None:
         """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective;
         hooks.py [Note: gathering in rounds])."""

@@ -314,6 +314,21 @@ class ChunkHooks:
                 self.manager.contribute_to_gather(chunk)
         return anyone_asked
 
+    def gather_every_chunk(self) -> None:
+        """Gather every chunk this rank does not hold, in one round with every rank (a collective), so that every
+        parameter reads whole outside a forward (distributed/whole_parameters.py [Note: reading sharded parameters
+        outside a forward]).
+
+        Nothing holds them: the next forward releases the ones it does not need, as after any forward. A term computed
+        from them keeps its gathered values through autograd's saved tensors (the chunk's full buffer is dropped, never
+        overwritten), and its gradient reaches the parameter's chunk through the same post-accumulate-grad hook as the
+        forward's.
+        """
+        missing = {chunk.index for chunk in self.manager.chunks if chunk.state is ChunkState.SHARDED}
+        self._gather_round(missing)
+        for index in sorted(missing):
+            self._gather(self.manager.chunks[index])  # only waits: the round above issued the gathers
+
     def finish_phase(self) -> None:
         """End of a forward (or backward) on this rank: serve the gathers other ranks still need (a collective)."""
         self._forward_depth = 0  # a forward that raised never left its modules; the strategy calls this every step

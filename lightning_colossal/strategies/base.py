@@ -51,7 +51,14 @@ from lightning_colossal.strategies.failures import FailureReportingMixin
 from lightning_colossal.strategies.optimizers import OptimizerSetupMixin
 from lightning_colossal.strategies.optimizers import unwrap_optimizer as _unwrap_optimizer
 
-__all__ = ["ColossalStrategy", "_unwrap_optimizer"]
+__all__ = ["WHOLE_PARAMETERS_HINT", "ColossalStrategy", "_unwrap_optimizer"]
+
+#: Added to the error a loss term over sharded parameters meets outside a forward.
+WHOLE_PARAMETERS_HINT = (
+    "Outside a forward, {strategy} holds {pieces}. For a loss term over the parameters themselves (an L2 penalty, a"
+    " regulariser) compute it inside `with self.trainer.strategy.whole_parameters():` in training_step, on every rank;"
+    " its gradient is exact, as under Lightning's ddp."
+)
 
 
 class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, CheckpointingMixin):
@@ -171,15 +178,20 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._follow_first_replica_statistics()
+        self._follow_first_replica_statistics_while_fitting()
         return super().validation_step(*args, **kwargs)
 
     def _follow_first_replica_statistics(self) -> None:
         """distributed/running_statistics.py [Note: running statistics follow the first replica]."""
         if self._running_statistics:
+            # The mesh's dp axis: the ranks holding the same pieces (the same pipeline stage, the same tensor shard).
             follow_first_replica(self._running_statistics, self.device_mesh["dp"].get_group())
+
+    def _follow_first_replica_statistics_while_fitting(self) -> None:
+        """As torch DDP: an evaluation step copies the first replica's statistics during ``fit`` only."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._follow_first_replica_statistics()
 
     def parameter_pieces(self) -> str | None:
         """What a rank holds of each parameter when not all of it (e.g. ``"only its FSDP shards"``), for errors;
@@ -213,6 +225,27 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
                 " call it during fit, from on_before_optimizer_step (or after manual_backward)."
             )
         return self.precision_plugin.gradient_clipper.gradient_norm(_unwrap_optimizer(self.optimizers[0]), norm_type)
+
+    @contextmanager
+    def whole_parameters(self) -> Generator[None, None, None]:
+        """Read the model's parameters whole inside ``training_step``, outside any forward: for a loss term over
+        them (an L2 penalty, a regulariser over some weights), before or after the step's forward::
+
+            def training_step(self, batch, batch_index):
+                loss = self.model(batch).loss
+                with self.trainer.strategy.whole_parameters():
+                    penalty = sum(parameter.pow(2).sum() for parameter in self.parameters())
+                return loss + 1e-4 * penalty
+
+        Call it on every rank (under FSDP, Gemini and tensor parallelism it gathers the parameters: a collective).
+        The term's gradient is exact, as under Lightning's ``ddp``. Under ``colossal_ddp`` and ZeRO it does nothing:
+        parameters are whole there. Under FSDP and tensor parallelism parameters are DTensor shards outside a forward,
+        and inside the context each reads as its whole tensor; under Gemini every chunk is gathered. The gathered
+        values stay alive until backward, held by the term's autograd graph: a term over every parameter costs the
+        whole model's bytes until then (``distributed/whole_parameters.py`` [Note: reading sharded parameters outside
+        a forward]).
+        """
+        yield
 
     def model_to_device(self) -> None:
         assert self.model is not None

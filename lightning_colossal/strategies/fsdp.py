@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from lightning_colossal.config import FSDPConfig
 from lightning_colossal.distributed.mesh import named_device_mesh
 from lightning_colossal.distributed.meta_init import has_meta_tensors
+from lightning_colossal.distributed.whole_parameters import whole_dtensor_parameters
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
     detect_block_classes,
@@ -44,7 +45,7 @@ from lightning_colossal.fsdp import (
     sharded_roots,
 )
 from lightning_colossal.fsdp.initialise import DEFAULT_INIT_WINDOW_BYTES, initialise_shards, storage_free_template
-from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.base import WHOLE_PARAMETERS_HINT, ColossalStrategy
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 from lightning_colossal.strategies.plain_weights import give_back_plain_weights
 
@@ -190,6 +191,18 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if tracker is not None and not self._gradient_sync_blocked:
             tracker.after_synchronising_backward()
         return output
+
+    @contextmanager
+    def whole_parameters(self) -> Generator[None, None, None]:
+        assert self.lightning_module is not None
+        with whole_dtensor_parameters(self.lightning_module):
+            yield
+
+    def _annotate_failure(self, exception: BaseException) -> None:
+        super()._annotate_failure(exception)
+        if isinstance(exception, RuntimeError) and "mixed torch.Tensor and DTensor" in str(exception):
+            pieces = "each parameter as a DTensor shard of this rank"
+            exception.add_note(WHOLE_PARAMETERS_HINT.format(strategy="colossal_fsdp", pieces=pieces))
 
     def on_exception(self, exception: BaseException) -> None:
         # Teardown follows; after a failure other ranks may never reach its collectives, so it must not gather.

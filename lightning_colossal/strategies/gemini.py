@@ -10,7 +10,8 @@ its name-keyed shards.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -30,7 +31,9 @@ PLACEHOLDER_HINT = (
     "colossal_gemini: outside the forward of the module that owns it, a chunked parameter is an empty placeholder"
     " (Gemini gathers its chunk for that module's forward and backward only). If this step reads a weight directly,"
     " e.g. F.linear(hidden, self.head.weight) or a weight tied by hand, call the owning module instead (self.head("
-    "hidden)), or train with colossal_zero2, which keeps every parameter whole."
+    "hidden)). For a loss term over the parameters themselves (an L2 penalty), compute it inside `with"
+    " self.trainer.strategy.whole_parameters():` on every rank. Or train with colossal_zero2, which keeps every"
+    " parameter whole."
 )
 
 
@@ -151,6 +154,13 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         if self.engine is not None:
             self.engine.finish_phase()
         return output
+
+    @contextmanager
+    def whole_parameters(self) -> Generator[None, None, None]:
+        # Every chunk gathered (hooks.py ``gather_every_chunk``); the next forward releases what it does not need.
+        if self.engine is not None:
+            self.engine.gather_every_chunk()
+        yield
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self.engine is not None:

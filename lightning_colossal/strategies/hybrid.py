@@ -8,8 +8,8 @@ pipeline schedule in place of ``training_step`` (see ``docs/hybrid.md``, "Lightn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, PipelineConfig, PipelineSchedule, SequenceParallelMode
 from lightning_colossal.distributed import ParallelDims
+from lightning_colossal.distributed.running_statistics import modules_with_running_statistics
 from lightning_colossal.parallel import (
     GradientStash,
     HybridEngine,
@@ -29,6 +30,7 @@ from lightning_colossal.parallel import (
     find_policy,
     split_sequence,
 )
+from lightning_colossal.strategies.base import WHOLE_PARAMETERS_HINT
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.hybrid_module import (
     log_plain_values,
@@ -120,6 +122,10 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         super().setup(trainer)
         assert self.lightning_module is not None
         log_plain_values(self.lightning_module)
+        # The pipeline cut pruned the layers of other ranks' stages after `_prepare_module` listed the norm layers of
+        # the whole model: follow only those this rank still holds (the others it neither runs nor, from the meta
+        # device, materialised).
+        self._running_statistics = modules_with_running_statistics(self.model)
 
     def _setup_engine(self, trainer: pl.Trainer, fitting: bool) -> HybridEngine:
         assert self.lightning_module is not None
@@ -149,6 +155,28 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
     def _set_up_engine(self) -> HybridEngine:
         assert self.engine is not None, "the model is parallelised in `setup`; call this after `trainer.fit` & co."
         return self.engine
+
+    @contextmanager
+    def whole_parameters(self) -> Generator[None, None, None]:
+        config = self.hybrid_config
+        if config.model_parallel_size > 1:
+            # Pipeline stages hold only their layers; tensor-parallel pieces are plain tensors of this rank
+            # (parallel/tensor_parallel.py [Note: plain local shards instead of DTensor parameters]), some fused
+            # (query/key/value), so no whole view exists to hand out here.
+            raise ValueError(
+                f"whole_parameters() under colossal_hybrid with tp_size={config.tp_size}, pp_size={config.pp_size}:"
+                " a rank holds only its tensor-parallel pieces and the layers of its pipeline stage, so the model's"
+                " parameters cannot be read whole in training_step. Compute a term over parameters inside the modules"
+                " that own them (their forward sees this rank's pieces), or train with colossal_fsdp or colossal_gemini,"
+                " whose whole_parameters() gathers them."
+            )
+        yield  # data and sequence parallelism only: every parameter is whole on every rank
+
+    def _annotate_failure(self, exception: BaseException) -> None:
+        super()._annotate_failure(exception)
+        if isinstance(exception, RuntimeError) and "mixed torch.Tensor and DTensor" in str(exception):
+            pieces = "each tensor-parallel parameter as a DTensor shard of this rank"
+            exception.add_note(WHOLE_PARAMETERS_HINT.format(strategy="colossal_hybrid", pieces=pieces))
 
     def _release_engine(self, engine: HybridEngine) -> None:
         # The module keeps its split form and the engine for a next run; ZeRO's gradient hooks go now.
@@ -226,6 +254,9 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
                 parameter.grad = None
         # Lightning divides the loss by accumulate_grad_batches before its backward; the schedule's backward runs
         # here, so the division (and fp16 loss scaling) goes into each micro-batch loss instead.
+        # The schedule takes the place of the base's `training_step`, and so of its copy of the first replica's
+        # running statistics (distributed/running_statistics.py [Note: running statistics follow the first replica]).
+        self._follow_first_replica_statistics()
         multiplier = 1.0 / trainer.accumulate_grad_batches
         scaler = self.precision_plugin.loss_scaler
         if scaler is not None:
@@ -241,6 +272,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
 
     def _pipeline_evaluation_step(self, batch: Any, *_: Any, **__: Any) -> Tensor:
         assert self.lightning_module is not None
+        self._follow_first_replica_statistics_while_fitting()  # as the base's `validation_step` (see above)
         with self.precision_plugin.val_step_context():
             return self._pipeline().evaluate(batch, self.lightning_module.pipeline_loss)
 
