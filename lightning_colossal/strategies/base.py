@@ -28,8 +28,11 @@ from typing import Any, ClassVar
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_colossal.config import (
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -170,7 +173,50 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._running_statistics = [] if self.wrapper_syncs_buffers else modules_with_running_statistics(self.model)
+        if fitting:
+            self._warn_where_grad_norm_cannot_read(trainer)
         return fitting
+
+    def grad_norm_limitation(self) -> str | None:
+        """What Lightning's ``grad_norm(module)`` meets in ``on_before_optimizer_step`` under this strategy, when the
+        parameters' ``.grad`` is not the whole gradient (``None``: it is, and ``grad_norm`` works)."""
+        return None
+
+    def _warn_where_grad_norm_cannot_read(self, trainer: Any) -> None:
+        """After the first optimizer step of a fit whose module or callbacks hook ``on_before_optimizer_step`` (where
+        Lightning's docs log ``grad_norm(module)``) without asking ``gradient_norm``, warn once when ``.grad`` does not
+        hold the whole gradient there (``_grad_norm_limitation_message``).
+
+        Per-parameter DTensor views of the reduced shards were tried: ``grad_norm`` then fails in its own
+        ``torch.tensor(list_of_norms)``, which cannot read a DTensor (the same failure under Lightning's FSDP).
+        """
+        self._grad_norm_check_pending = False
+        if self.grad_norm_limitation() is None or getattr(self, "_warned_about_grad_norm", False):
+            return
+        hook = "on_before_optimizer_step"
+        user_callbacks = [
+            callback for callback in trainer.callbacks if not type(callback).__module__.startswith("lightning.")
+        ]
+        self._grad_norm_check_pending = is_overridden(hook, trainer.lightning_module) or any(
+            is_overridden(hook, callback, parent=Callback) for callback in user_callbacks
+        )
+        self._gradient_norm_asked = False
+
+    def _grad_norm_limitation_message(self) -> str:
+        return (
+            f"{self.strategy_name or type(self).__name__}: in `on_before_optimizer_step`, {self.grad_norm_limitation()}."
+            " To log the gradient norm, log `self.trainer.strategy.gradient_norm(norm_type)` there instead: the norm of"
+            " the whole gradient, computed over every rank's shard (call it on every rank)."
+        )
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if getattr(self, "_grad_norm_check_pending", False):
+            self._grad_norm_check_pending = False
+            if not self._gradient_norm_asked:
+                self._warned_about_grad_norm = True
+                rank_zero_warn(self._grad_norm_limitation_message())
+        return output
 
     # ---------------------------------------------------------------------------------------------- steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -224,6 +270,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
                 "gradient_norm() measures the gradients an optimizer will step on, and this run has no optimizer yet:"
                 " call it during fit, from on_before_optimizer_step (or after manual_backward)."
             )
+        self._gradient_norm_asked = True  # the hook logs the norm the way that works here: no warning
         return self.precision_plugin.gradient_clipper.gradient_norm(_unwrap_optimizer(self.optimizers[0]), norm_type)
 
     @contextmanager

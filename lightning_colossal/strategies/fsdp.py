@@ -192,6 +192,12 @@ class ColossalFSDPStrategy(ColossalStrategy):
             tracker.after_synchronising_backward()
         return output
 
+    def grad_norm_limitation(self) -> str | None:
+        return (
+            "parameters' `.grad` are DTensor shards of this rank, so Lightning's `grad_norm(module)` fails in its"
+            " `torch.tensor(...)` of the norms, which cannot read a DTensor"
+        )
+
     @contextmanager
     def whole_parameters(self) -> Generator[None, None, None]:
         assert self.lightning_module is not None
@@ -203,6 +209,9 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if isinstance(exception, RuntimeError) and "mixed torch.Tensor and DTensor" in str(exception):
             pieces = "each parameter as a DTensor shard of this rank"
             exception.add_note(WHOLE_PARAMETERS_HINT.format(strategy="colossal_fsdp", pieces=pieces))
+        if isinstance(exception, RuntimeError) and "data is not allocated yet" in str(exception):
+            # What torch says when Lightning's grad_norm(module) reads DTensor gradients (see grad_norm_limitation).
+            exception.add_note(self._grad_norm_limitation_message())
 
     def on_exception(self, exception: BaseException) -> None:
         # Teardown follows; after a failure other ranks may never reach its collectives, so it must not gather.

@@ -93,6 +93,12 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
     def parameter_pieces(self) -> str | None:
         return "only its shards of each chunk (a parameter is an empty placeholder outside its module's forward)"
 
+    def grad_norm_limitation(self) -> str | None:
+        return (
+            "parameters' `.grad` is None (Gemini keeps each reduced gradient only as this rank's shard of its chunk), so"
+            " Lightning's `grad_norm(module)` finds no gradient and logs nothing"
+        )
+
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
         return [

@@ -63,6 +63,14 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
             communication=communication,
         )
 
+    def grad_norm_limitation(self) -> str | None:
+        if self.zero_config.stage == 1:
+            return None  # stage 1 reduces whole gradients into .grad
+        return (
+            "parameters' `.grad` is None (ZeRO-2 keeps each reduced gradient only as this rank's shard), so Lightning's"
+            " `grad_norm(module)` finds no gradient and logs nothing"
+        )
+
     @classmethod
     def registry_entries(cls) -> Iterable[tuple[str, dict[str, Any]]]:
         return [

@@ -105,6 +105,69 @@ def test_gradient_norm_refuses_what_it_cannot_measure() -> None:
     assert "no optimizer yet" in messages[1] and "on_before_optimizer_step" in messages[1]
 
 
+# ---------------------------------------------------------------------------------- Lightning's grad_norm(module)
+class LogsLightningGradNorm(RegressionModule):
+    """Lightning's documented way: ``grad_norm(self)`` in ``on_before_optimizer_step``; keeps what it returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_norms: list[dict[str, float]] = []
+        self.use_strategy = False  # log trainer.strategy.gradient_norm() instead
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        if self.use_strategy:
+            self.grad_norms.append({"total": float(self.trainer.strategy.gradient_norm())})
+            return
+        self.grad_norms.append({name: float(value) for name, value in grad_norm(self, norm_type=2).items()})
+
+
+def lightning_grad_norm_body(spec: StrategySpec, reader: str = "grad_norm") -> dict[str, Any]:
+    import warnings
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = LogsLightningGradNorm()
+    module.use_strategy = reader == "gradient_norm"
+    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(module)
+            error = ""
+        except Exception as exception:  # noqa: BLE001 - the message is the result
+            error = f"{type(exception).__name__}: {exception} {getattr(exception, '__notes__', [])}"
+    messages = [str(warning.message) for warning in caught if "grad_norm" in str(warning.message)]
+    return {"norms": module.grad_norms, "error": error, "warnings": messages}
+
+
+GRAD_NORM_WORKS = ("ddp", "zero1", "hybrid_dp")  # every parameter's .grad is whole there
+
+
+@pytest.mark.parametrize("strategy_name", ["ddp", "zero1", "zero2", "gemini", "fsdp", "hybrid_dp"])
+def test_lightning_grad_norm_logs_ddp_norms_or_warns_once_naming_gradient_norm(rank_pool_2, strategy_name):
+    reference = rank_pool_2.run(lightning_grad_norm_body, DDP, timeout=120)[0]
+    assert reference["error"] == "" and len(reference["norms"]) == STEPS and reference["warnings"] == []
+    results = rank_pool_2.run(lightning_grad_norm_body, STRATEGIES[strategy_name], timeout=120)
+    if strategy_name in GRAD_NORM_WORKS:
+        for result in results:
+            assert result["error"] == "" and result["warnings"] == []
+            assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        return
+    rank_zero = results[0]
+    if strategy_name == "fsdp":  # fails inside grad_norm; the error names the fix
+        assert "trainer.strategy.gradient_norm(norm_type)" in rank_zero["error"], rank_zero
+        return
+    assert rank_zero["error"] == "" and all(norms == {} for norms in rank_zero["norms"])
+    assert len(rank_zero["warnings"]) == 1, rank_zero["warnings"]
+    assert "trainer.strategy.gradient_norm(norm_type)" in rank_zero["warnings"][0]
+
+
+def test_no_grad_norm_warning_when_the_hook_asks_gradient_norm(rank_pool_2):
+    results = rank_pool_2.run(lightning_grad_norm_body, ZERO2, "gradient_norm", timeout=120)
+    assert results[0]["error"] == "" and results[0]["warnings"] == []
+
+
 # ---------------------------------------------------------------------------------- tensor and pipeline parallelism
 HYBRID_CASES = {
     "tp2": {"tp_size": 2},
