@@ -23,10 +23,12 @@ from torch.distributed.pipelining import (
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.distributed.running_statistics import running_statistics_kept
 
 
 class _Stage(PipelineStage):
-    """torch's ``PipelineStage``, without the start-up messages a rank would send itself.
+    """torch's ``PipelineStage``, without the start-up messages a rank would send itself, and without the trace its
+    trial forward leaves in running statistics (``_prepare_forward_infra``).
 
     torch 2.11 opens a zero-bubble V schedule with a handshake between neighbouring stages, and in the V the two
     middle stages sit on the same rank: that rank sends to itself, which gloo refuses ("Pair is not connected").
@@ -36,6 +38,13 @@ class _Stage(PipelineStage):
     def _get_init_p2p_neighbors_ops(self) -> list[Any]:
         own = collectives.rank(self.group)
         return [operation for operation in super()._get_init_p2p_neighbors_ops() if operation.group_peer != own]
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # Before a schedule's first step torch runs the stage's forward once, here, to learn its output shapes (in
+        # `_forward_metadata_inference` in torch 2.13, `_shape_inference` in older versions, both called from this
+        # method): distributed/running_statistics.py [Note: a trial forward leaves no statistics].
+        with running_statistics_kept(self.submod):
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 @dataclass

@@ -252,11 +252,11 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             # for a schedule that already ran backward, so the previous step's gradients are dropped here.
             for parameter in module.parameters():
                 parameter.grad = None
-        # Lightning divides the loss by accumulate_grad_batches before its backward; the schedule's backward runs
-        # here, so the division (and fp16 loss scaling) goes into each micro-batch loss instead.
         # The schedule takes the place of the base's `training_step`, and so of its copy of the first replica's
         # running statistics (distributed/running_statistics.py [Note: running statistics follow the first replica]).
         self._follow_first_replica_statistics()
+        # Lightning divides the loss by accumulate_grad_batches before its backward; the schedule's backward runs
+        # here, so the division (and fp16 loss scaling) goes into each micro-batch loss instead.
         multiplier = 1.0 / trainer.accumulate_grad_batches
         scaler = self.precision_plugin.loss_scaler
         if scaler is not None:
@@ -272,7 +272,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
 
     def _pipeline_evaluation_step(self, batch: Any, *_: Any, **__: Any) -> Tensor:
         assert self.lightning_module is not None
-        self._follow_first_replica_statistics_while_fitting()  # as the base's `validation_step` (see above)
+        self._follow_first_replica_statistics_while_fitting()  # in place of the base's `validation_step`'s copy
         with self.precision_plugin.val_step_context():
             return self._pipeline().evaluate(batch, self.lightning_module.pipeline_loss)
 
