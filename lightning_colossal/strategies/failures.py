@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
@@ -40,6 +41,22 @@ class FailureReportingMixin(ParallelStrategy):
     def teardown(self) -> None:
         self._finish_watchdog()
         super().teardown()
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        # Lightning moves each batch before any on_train_batch_start hook runs: the earliest point of a batch where the
+        # watchdog can publish the step, so a rank that dies in the batch is reported at it (distributed/watchdog.py
+        # [Note: the step a stopped rank was at]).
+        self._publish_step()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # A training_step that takes the dataloader iterator gets no batch_to_device call: publish here instead.
+        self._publish_step()
+        super().on_train_batch_start(batch, batch_idx)
+
+    def _publish_step(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.publish_step()
 
     def _start_watchdog(self) -> None:
         """Heartbeat to the other ranks through the process group's store (``distributed/watchdog.py``)."""

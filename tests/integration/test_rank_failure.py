@@ -3,7 +3,8 @@
 Each launch trains ``RegressionModule`` on 2 CPU ranks, 2 steps per epoch, with a checkpoint at every epoch end.
 At ``FAILURE_STEP`` rank 1 SIGKILLs (or SIGSTOPs) itself. The surviving rank must exit within seconds, naming rank 1;
 a fresh launch with ``fit(ckpt_path="last")`` must then land exactly on the weights of an uninterrupted run.
-The unit tests at the end drive the watchdog with an in-process store.
+One test kills a rank of the test rank pool instead (no launch), for the step the survivor's report names. The unit
+tests at the end drive the watchdog with an in-process store.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.distributed import HashStore
 
 from lightning_colossal.distributed.watchdog import EXIT_CODE, STOPPED, HeartbeatWatchdog
 from tests.fresh_interpreter import launch_to_log
+from tests.harness.rank_pool import RankFailure
 
 FAILURE_STEP = 5  # the last checkpoint is the end of epoch 2 (step 4)
 MAX_STEPS = 8
@@ -317,6 +319,50 @@ def test_frozen_rank_is_reported_and_the_others_exit_after_the_heartbeat_timeout
                 pass
 
 
+# ---------------------------------------------------------------------------------------- a death in the rank pool
+KILL_STEP = 10
+
+
+def killed_at_a_known_step_body(directory: str) -> None:
+    """Rank 1 SIGKILLs itself in ``on_train_batch_start`` at global step ``KILL_STEP``; rank 0 writes what its error
+    says (unless its watchdog ended it first, printing the same report to its output)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_colossal import ColossalDDPStrategy
+    from tests.distributed.oracle import new_module, quiet_trainer
+
+    class KillRankOne(Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_index: int) -> None:
+            if trainer.global_step == KILL_STEP and trainer.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    # A heartbeat every 0.5 s, while KILL_STEP steps of this model take a few milliseconds each: heartbeats alone
+    # would say rank 1 was at an earlier step (step 0, its start-up heartbeat, on a fast run).
+    strategy = ColossalDDPStrategy(heartbeat_timeout=timedelta(seconds=5))
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=2 * KILL_STEP, callbacks=[KillRankOne()])
+    try:
+        trainer.fit(new_module(batch_size=2))
+    except Exception as error:  # rank 0 meets the death in a collective (gloo: "Connection closed by peer")
+        Path(directory, "rank0.txt").write_text("\n".join([str(error), *getattr(error, "__notes__", [])]))
+
+
+def test_a_killed_rank_is_reported_at_the_step_it_died_at(rank_pool_2, tmp_path, monkeypatch):
+    # distributed/watchdog.py [Note: the step a stopped rank was at]: "at step N" is the trainer.global_step the dead
+    # rank had, here the step whose on_train_batch_start it died in.
+    monkeypatch.setattr(rank_pool_2, "failure_grace", 10.0)  # time for rank 0's teardown to name the dead rank
+    with pytest.raises(RankFailure) as failure:
+        rank_pool_2.run(killed_at_a_known_step_body, str(tmp_path), timeout=60)
+    assert "rank 1: died: killed by signal SIGKILL" in str(failure.value), str(failure.value)
+    written = tmp_path / "rank0.txt"
+    # Rank 0's error notes, or (when its watchdog saw the death before its collective failed) its last output lines.
+    told = written.read_text() if written.is_file() else failure.value.rank_reports.get(0, "")
+    reported = (
+        rf"rank 1 stopped responding \(its process \(pid \d+ on [^)]+\) is gone; it was at step {KILL_STEP}[,)].*"
+        rf" seen by rank 0 at step {KILL_STEP}"
+    )
+    assert re.search(reported, told), told
+
+
 # ---------------------------------------------------------------------------------------------- watchdog unit tests
 def _watchdogs(store: HashStore, timeout: float, reports: list[str]) -> list[HeartbeatWatchdog]:
     return [
@@ -375,6 +421,22 @@ def test_watchdog_names_a_dead_process_on_this_host_without_waiting_for_the_time
     while not reports and time.monotonic() < deadline:
         time.sleep(0.05)
     assert reports and "rank 1 stopped responding (its process (pid" in reports[0], reports
+    first.stop()
+
+
+def test_watchdog_reports_the_step_a_dead_peer_published_after_its_last_heartbeat():
+    # [Note: the step a stopped rank was at]: rank 1's last heartbeat said step 5; it then published step 9 as its
+    # batch started (publish_step) and died before its next heartbeat.
+    store, reports = HashStore(), []
+    first, second = _watchdogs(store, timeout=60, reports=reports)
+    second.current_step = lambda: 9
+    second.publish_step()
+    store.set("unit/rank1", f"7 5 {os.uname().nodename} {2**22 + 12345}")  # a pid that does not exist
+    first.start()
+    deadline = time.monotonic() + 5
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reports and "is gone; it was at step 9), seen by rank 0 at step 3" in reports[0], reports
     first.stop()
 
 
