@@ -11,16 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import benchmarks.configuration
-from benchmarks.configuration import (
-    BENCHMARK_MODEL,
-    DEEPSPEED_INSTALL_COMMAND,
-    DEEPSPEED_STAGES,
-    check_deepspeed_installed,
-    parse_configuration,
-    parse_strategy_names,
-)
-from benchmarks.measure import (
+import benchmarks.peers.configuration
+from benchmarks.harness.launch import window_other_load
+from benchmarks.harness.measure import (
     MODEL_STATE_FORMULAS,
     STRATEGY_MODES,
     covered_bytes,
@@ -33,8 +26,16 @@ from benchmarks.measure import (
     run_step_time,
     summarize,
 )
-from benchmarks.report import format_markdown, format_text, summarize_configurations
-from benchmarks.run import parse_arguments, window_other_load
+from benchmarks.peers.configuration import (
+    BENCHMARK_MODEL,
+    DEEPSPEED_INSTALL_COMMAND,
+    DEEPSPEED_STAGES,
+    check_deepspeed_installed,
+    parse_configuration,
+    parse_strategy_names,
+)
+from benchmarks.peers.report import format_markdown, format_text, summarize_configurations
+from benchmarks.peers.run import parse_arguments
 
 # ---------------------------------------------------------------------------------------------------------------
 # Statistics
@@ -307,12 +308,12 @@ def test_parse_helpers_raise_value_errors() -> None:
 
 @pytest.fixture
 def deepspeed_present(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(benchmarks.configuration, "deepspeed_installed", lambda: True)
+    monkeypatch.setattr(benchmarks.peers.configuration, "deepspeed_installed", lambda: True)
 
 
 @pytest.fixture
 def deepspeed_absent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(benchmarks.configuration, "deepspeed_installed", lambda: False)
+    monkeypatch.setattr(benchmarks.peers.configuration, "deepspeed_installed", lambda: False)
 
 
 @pytest.mark.usefixtures("deepspeed_present")
@@ -343,7 +344,7 @@ def test_a_missing_deepspeed_is_named_with_its_install_command(capsys: pytest.Ca
 
 
 def test_deepspeed_installed_answers_without_importing_it() -> None:
-    assert isinstance(benchmarks.configuration.deepspeed_installed(), bool)
+    assert isinstance(benchmarks.peers.configuration.deepspeed_installed(), bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,8 +483,8 @@ def test_deepspeed_notes_split_its_parameters_and_name_its_other_buffers() -> No
 
 
 def test_deepspeed_config_is_fp32_with_lightning_s_zero_defaults_under_the_configuration_s_args() -> None:
-    from benchmarks.configuration import RunSpec
-    from benchmarks.deepspeed_worker import deepspeed_config  # imports no DeepSpeed
+    from benchmarks.peers.configuration import RunSpec
+    from benchmarks.peers.deepspeed_worker import deepspeed_config  # imports no DeepSpeed
 
     spec = RunSpec(
         strategy="deepspeed_zero3",
@@ -507,7 +508,7 @@ def test_deepspeed_config_is_fp32_with_lightning_s_zero_defaults_under_the_confi
 
 
 def test_compute_floor_deals_every_parameter_to_exactly_one_rank_and_balances_the_elements() -> None:
-    from benchmarks.compute_floor import rank_share
+    from benchmarks.peers.compute_floor import rank_share
 
     sizes = [4_194_304, 512, 262_144, 786_432, 512, 1_048_576, 262_144, 4_194_304]
     shares = [rank_share(sizes, 2, rank) for rank in range(2)]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.capacity import (
+from benchmarks.capacity.search import (
     MIB,
     STRATEGIES,
     classify,
@@ -109,7 +109,7 @@ def test_planner_bracket_grows_with_depth_and_matches_16_psi_for_ddp() -> None:
 
 
 def test_gemini_peak_is_a_bound_from_above_and_ddp_keeps_its_samples() -> None:
-    from benchmarks.capacity_ranks import DeviceBytesProbe, peak_device_bytes
+    from benchmarks.capacity.ranks import DeviceBytesProbe, peak_device_bytes
 
     probe = DeviceBytesProbe()
     probe.peak = {"total": 10 * MIB}

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed  # noqa: F401  (registers the c10d ops)
 
-from benchmarks.communication_counting import (
+from benchmarks.communication.counting import (
     CONTROL_MAX_BYTES,
     GLOO_REDUCE_SCATTER_AS_ALL_REDUCE,
     KINDS,
@@ -285,7 +285,7 @@ def test_every_collective_op_of_torch_has_a_rule_naming_real_arguments() -> None
 
 
 def test_world_size_other_than_two_takes_only_the_data_parallel_configurations(capsys: pytest.CaptureFixture[str]):
-    from benchmarks.communication import _training_spec, parse_arguments
+    from benchmarks.communication.exchanges import _training_spec, parse_arguments
 
     arguments = parse_arguments(["--world-size", "4", "--configurations", "colossal_ddp,colossal_fsdp"])
     assert _training_spec("colossal_fsdp", arguments)["world_size"] == 4

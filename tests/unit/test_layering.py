@@ -22,7 +22,7 @@ from tests.fresh_interpreter import run_python
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_colossal"
 ENGINES = ("zero", "gemini", "parallel", "fsdp")
-MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "checkpoint", "demo", "__init__.py")
+MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "demo", "__init__.py")
 # Lightning adapters and the demo: engines import none of them (they import lightning, and the demo is a workload).
 FORBIDDEN_FOR_ENGINES = ("demo", "strategies", "precision", "callbacks")
 # The Lightning adapters, the demo and the package root; every other top-level module or package must work without

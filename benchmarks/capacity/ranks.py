@@ -1,6 +1,6 @@
-"""The body of one capacity-probe rank: ``python -m benchmarks.capacity_ranks --spec probe.json``.
+"""The body of one capacity-probe rank: ``python -m benchmarks.capacity.ranks --spec probe.json``.
 
-``benchmarks.capacity`` starts one of these per rank (``benchmarks.run.launch_ranks``: ``RANK``, ``WORLD_SIZE``,
+``benchmarks.capacity`` starts one of these per rank (``benchmarks.harness.launch.launch_ranks``: ``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``/``MASTER_PORT`` set, ``OMP_NUM_THREADS=1``). Each rank trains the GPT of the spec for a few steps
 under the spec's strategy and samples, all through those steps, the model-state bytes its engine holds on the
 compute device (see ``device_bytes``). It writes ``rank<RANK>.json``: the losses, every sampled figure's maximum
@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from benchmarks.worker import BenchmarkModule, build_strategy, parameter_count
+from benchmarks.harness.workload import BenchmarkModule, build_strategy, parameter_count, train_on_cpu
 from lightning_colossal.callbacks.memory_accounting import gradient_bytes, optimizer_state_bytes, parameter_bytes
 from lightning_colossal.config import AutoPlacement, StaticPlacement
 from lightning_colossal.demo.data import RandomTokenDataset
@@ -208,18 +208,14 @@ def train(spec: dict[str, Any], probe: DeviceBytesProbe) -> Trainer:
         seed=spec["seed"],
     )
     loader = DataLoader(dataset, batch_size=batch, shuffle=False, drop_last=True)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=build_strategy(spec["strategy"], strategy_arguments(spec)),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
+    trainer = train_on_cpu(
+        build_strategy(spec["strategy"], strategy_arguments(spec)),
+        world_size,
+        steps,
+        BenchmarkModule(model_config, spec["learning_rate"]),
+        loader,
+        [probe],
     )
-    trainer.fit(BenchmarkModule(model_config, spec["learning_rate"]), train_dataloaders=loader)
     return trainer
 
 

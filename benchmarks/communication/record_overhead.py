@@ -7,14 +7,13 @@ record's own cost, without communication, is timed too (entering and leaving ``C
 on a shared machine the all-reduces' own noise is larger than the record: ``--control`` keeps the record in both
 arms, so its ratio is the noise floor of the comparison.
 
-    python -m benchmarks.collective_record_overhead --calls 10000 --rounds 5
+    python -m benchmarks.communication.record_overhead --calls 10000 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 
+from benchmarks.harness.launch import free_port
 from lightning_colossal.distributed import collectives, in_flight
 
 BLOCKS = 20  # per round and mode
@@ -102,12 +102,6 @@ def _worker(rank: int, port: int, calls: int, rounds: int, control: bool, result
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=10_000)
@@ -118,7 +112,7 @@ def main() -> None:
     arguments = parser.parse_args()
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     processes = [
         context.Process(
             target=_worker, args=(rank, port, arguments.calls, arguments.rounds, arguments.control, results)

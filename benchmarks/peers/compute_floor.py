@@ -1,9 +1,9 @@
 """A floor for data-parallel step time on this machine: every rank's arithmetic, and no communication at all.
 
 ``ComputeFloorStrategy`` is Lightning's ``DDPStrategy`` with two changes, as a ``module:Class`` configuration of
-``benchmarks.run``::
+``benchmarks.peers``::
 
-    --configuration label=floor_sharded strategy=benchmarks.compute_floor:ComputeFloorStrategy 'args={"shard_optimizer":true}'
+    --configuration label=floor_sharded strategy=benchmarks.peers.compute_floor:ComputeFloorStrategy 'args={"shard_optimizer":true}'
 
 - DDP's gradient all-reduce is replaced by a communication hook that returns the bucket untouched, so nothing
   crosses a socket and gloo's threads never run (Lightning registers hooks on CUDA only; this one is registered on

@@ -1,6 +1,6 @@
 """From raw run records to per-configuration figures, a text table and a ready-to-paste markdown block.
 
-Pure functions over the JSON-able run records of ``benchmarks.run``; no process, torch or Lightning here.
+Pure functions over the JSON-able run records of ``benchmarks.peers``; no process, torch or Lightning here.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks.measure import MODEL_STATE_FORMULAS, Summary, paired_ratios, run_step_time, summarize
+from benchmarks.harness.measure import MODEL_STATE_FORMULAS, Summary, paired_ratios, run_step_time, summarize
 
 __all__ = ["ConfigurationSummary", "format_markdown", "format_text", "summarize_configurations"]
 
@@ -23,9 +23,9 @@ class RankBytes:
     """Measured model-state bytes of one rank, next to the formula for its mode.
 
     ``memory_report``, ``gathered_peak`` (with where it came from) and ``tensor_walk`` are only present for Gemini
-    ranks, whose bytes come from the engine's report (see ``benchmarks.measure.gemini_model_state_bytes``).
+    ranks, whose bytes come from the engine's report (see ``benchmarks.harness.measure.gemini_model_state_bytes``).
     ``parameter_split``, ``engine_other_bytes`` and ``engine_bytes_by_attribute`` only for DeepSpeed ranks
-    (``benchmarks.deepspeed_worker``): what their parameter bytes are made of, and the tensors their ZeRO optimizer
+    (``benchmarks.peers.deepspeed_worker``): what their parameter bytes are made of, and the tensors their ZeRO optimizer
     holds beyond the model state.
     """
 
@@ -177,7 +177,7 @@ def summarize_configurations(
     """Per-configuration figures from the accepted runs (discarded runs are only counted elsewhere).
 
     Args:
-        runs: Run records of ``benchmarks.run`` (``label``, ``repeat``, ``status``, ``ranks``, ``other_load``).
+        runs: Run records of ``benchmarks.peers`` (``label``, ``repeat``, ``status``, ``ranks``, ``other_load``).
         configurations: ``{"label", "strategy", "mode"}`` per configuration, in the order to report them.
         peer: Label whose run of the same repeat divides every other configuration's, or ``None``.
         statistic: Per-run step-time statistic (``p20``, ``min``, ``median``).

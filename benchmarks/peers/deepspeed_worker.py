@@ -1,6 +1,6 @@
 """The body of one DeepSpeed rank: the benchmark GPT trained by DeepSpeed's own engine, measured as a Lightning run.
 
-``benchmarks.worker`` hands ``deepspeed_zero1``, ``deepspeed_zero2`` and ``deepspeed_zero3`` runs to
+``benchmarks.peers.worker`` hands ``deepspeed_zero1``, ``deepspeed_zero2`` and ``deepspeed_zero3`` runs to
 ``run_deepspeed``. Lightning's ``DeepSpeedStrategy`` cannot train them here: its ``setup_environment`` raises
 "The DeepSpeed strategy is only supported on CUDA GPUs but `CPUAccelerator` is used." So this module calls
 ``deepspeed.initialize`` itself, on DeepSpeed's CPU accelerator over gloo, with what every Lightning run of the
@@ -29,9 +29,9 @@ import torch.distributed
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks.configuration import DEEPSPEED_STAGES, RunSpec
-from benchmarks.measure import covered_bytes, gradient_bytes, optimizer_state_bytes
-from benchmarks.worker import BenchmarkProbe, rank_result
+from benchmarks.harness.measure import covered_bytes, gradient_bytes, optimizer_state_bytes
+from benchmarks.peers.configuration import DEEPSPEED_STAGES, RunSpec
+from benchmarks.peers.worker import BenchmarkProbe, rank_result
 from lightning_colossal.demo.data import RandomTokenDataset
 from lightning_colossal.demo.model import GPT, GPTConfig
 

@@ -1,128 +1,43 @@
-"""The body of one benchmark rank: ``python -m benchmarks.worker --spec run.json``.
+"""The body of one benchmark rank: ``python -m benchmarks.peers.worker --spec run.json``.
 
-The orchestrator (``benchmarks.run``) starts one of these per rank with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+The orchestrator (``benchmarks.peers``) starts one of these per rank with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` set, so Lightning launches nothing and the ranks join through the
 environment. Each rank trains the GPT for ``warmup_steps + measured_steps`` steps and writes
 ``rank<RANK>.json`` into the run's result directory: its step times, peak RSS, model-state bytes and the CPU
-time of the measured window (for the load check of ``benchmarks.machine``). Gemini ranks also record their engine's
+time of the measured window (for the load check of ``benchmarks/harness/machine.py``). Gemini ranks also record their engine's
 ``memory_report()`` and the peak of their gathered chunks.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
 import os
 import resource
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy, StrategyRegistry
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 import lightning_colossal  # noqa: F401  (registers the colossal_* strategy names)
-from benchmarks.configuration import DEEPSPEED_STAGES, RunSpec
-from benchmarks.machine import read_cpu_times
-from benchmarks.measure import gemini_model_state_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
+from benchmarks.harness.machine import read_cpu_times
+from benchmarks.harness.measure import gemini_model_state_bytes, gradient_bytes, optimizer_state_bytes, parameter_bytes
+from benchmarks.harness.workload import (
+    BenchmarkModule,
+    build_strategy,
+    parameter_count,
+    tensor_parallel_parameter_count,
+    train_on_cpu,
+)
+from benchmarks.peers.configuration import DEEPSPEED_STAGES, RunSpec
 from lightning_colossal.demo.data import RandomTokenDataset
-from lightning_colossal.demo.model import GPT, GPTConfig
+from lightning_colossal.demo.model import GPTConfig
 from lightning_colossal.gemini import GeminiEngine, GeminiMemoryReport
-from lightning_colossal.strategies import GeminiStrategy, HybridParallelStrategy
-
-
-class BenchmarkModule(LightningModule):
-    """Next-token training of the GPT with plain AdamW: no scheduler and no logging, so nothing but the
-    strategy differs between configurations and nothing synchronises outside the strategy."""
-
-    def __init__(self, model_config: GPTConfig, learning_rate: float) -> None:
-        super().__init__()
-        self.model_config = model_config
-        self.learning_rate = learning_rate
-        self.model: GPT | None = None
-        # Set by configure_model when the logits come out vocabulary-sharded (Lightning's tensor-parallel peer).
-        self.loss_parallel = False
-
-    def configure_model(self) -> None:
-        # Built here so sharded strategies can build it inside their own init contexts; idempotent.
-        if self.model is not None:
-            return
-        self.model = GPT(self.model_config)
-        if isinstance(self.trainer.strategy, ModelParallelStrategy):
-            # Lightning's ModelParallelStrategy leaves parallelisation to the user. Its mesh says which: tensor
-            # parallelism over the tensor_parallel axis when that has more than one rank, FSDP2 over the
-            # data_parallel axis when that does (or when nothing else is asked: the FSDP2 peer at one rank).
-            tensor_parallel_size = self.device_mesh["tensor_parallel"].size()
-            data_parallel_size = self.device_mesh["data_parallel"].size()
-            if tensor_parallel_size > 1:
-                apply_tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
-                self.loss_parallel = True
-            if data_parallel_size > 1 or tensor_parallel_size == 1:
-                # FSDP2 on every block, then the model: the units colossal_fsdp picks by itself.
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = self.device_mesh["data_parallel"]
-                for block in self.model.blocks:
-                    fully_shard(block, mesh=mesh)
-                fully_shard(self.model, mesh=mesh)
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        assert self.model is not None, "configure_model() runs before training"
-        input_ids, targets = batch
-        logits = self.model(input_ids)
-        with self._loss_context():
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        # A loss computed from vocabulary-sharded logits is a replicated DTensor; Lightning gets the plain local value
-        # (equal on every rank), as colossal_hybrid hands it over.
-        return loss.to_local() if isinstance(loss, DTensor) else loss
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        # loss_parallel's cross-entropy has a DTensor backward that must run inside the same context.
-        with self._loss_context():
-            loss.backward(*args, **kwargs)
-
-    def _loss_context(self) -> Any:
-        return loss_parallel() if self.loss_parallel else nullcontext()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
-
-
-def apply_tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
-    """torch's standard tensor parallelism on the GPT over ``mesh``, the plan torchtitan uses for its Llama.
-
-    Megatron's split of every block: ``attn.qkv`` and ``mlp.fc`` column-wise, ``attn.proj`` and ``mlp.proj``
-    row-wise (the GPT's fused qkv is head-major and its attention infers the local head count from the qkv width, so
-    a column shard holds whole heads). The token embedding is split row-wise (by vocabulary, outputs all-reduced) and
-    the LM head column-wise with vocabulary-sharded logits left as a DTensor, for ``loss_parallel``'s cross-entropy:
-    the same vocabulary-parallel embedding, head and loss colossal_hybrid uses, so neither side computes a whole
-    8192-wide head on every rank. Norms and the position embedding stay whole on every rank, as in colossal_hybrid.
-    """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    plan: dict[str, Any] = {
-        # Token ids are the same on every rank (Replicate); RowwiseParallel's default input layout, Shard(-1), is
-        # for the activations a row-parallel linear receives.
-        "token_embedding": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    for index in range(len(model.blocks)):
-        plan[f"blocks.{index}.attn.qkv"] = ColwiseParallel()
-        plan[f"blocks.{index}.attn.proj"] = RowwiseParallel()
-        plan[f"blocks.{index}.mlp.fc"] = ColwiseParallel()
-        plan[f"blocks.{index}.mlp.proj"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+from lightning_colossal.strategies import GeminiStrategy
 
 
 class BenchmarkProbe(Callback):
@@ -217,7 +132,7 @@ class BenchmarkProbe(Callback):
             self.bytes["gathered_peak_source"] = None
 
     def open_window(self) -> None:
-        """Start the CPU-time window of the measured steps (the load check of ``benchmarks.machine``)."""
+        """Start the CPU-time window of the measured steps (the load check of ``benchmarks/harness/machine.py``)."""
         cpu_times = read_cpu_times()
         self.window["wall_start"] = time.perf_counter()
         self.window["process_cpu_start"] = time.process_time()
@@ -280,62 +195,6 @@ class GatheredPeakSampler:
         self._handles = []
 
 
-def build_strategy(name: str, init_args: dict[str, Any]) -> Strategy | str:
-    """The strategy of a configuration: a registered name, with ``init_args`` merged over its own, or
-    ``module:Class(**init_args)``.
-
-    Raises:
-        ValueError: the name is neither registered nor importable.
-    """
-    if ":" in name:
-        module_name, _, class_name = name.partition(":")
-        strategy_class = getattr(importlib.import_module(module_name), class_name)
-        return strategy_class(**init_args)
-    if name not in StrategyRegistry:
-        available = ", ".join(sorted(StrategyRegistry.keys()))
-        raise ValueError(f"Strategy {name!r} is not registered; registered names: {available}; or use module:Class.")
-    if not init_args:
-        return name  # let the Trainer resolve it exactly as a user's Trainer(strategy=name) would
-    entry = StrategyRegistry[name]
-    return entry["strategy"](**{**entry["init_params"], **init_args})
-
-
-def tensor_parallel_parameter_count(trainer: Trainer, module: LightningModule) -> int:
-    """Ψₜ: parameters split by tensor parallelism, counted whole (the rest is held whole on every rank).
-
-    Lightning's tensor-parallel peer holds them as DTensors sharded over its ``tensor_parallel`` mesh axis (FSDP2's
-    shards, over ``data_parallel``, are not counted); colossal_hybrid holds plain local shards and its engine's plan
-    records which parameters were split and their whole shapes.
-    """
-    strategy = trainer.strategy
-    if isinstance(strategy, HybridParallelStrategy):
-        engine = strategy.engine
-        if engine is None or engine.context.tp_size == 1:
-            return 0
-        return sum(
-            math.prod(engine.names.full_shapes[id(parameter)])
-            for parameter in module.parameters()
-            if id(parameter) in engine.plan.placements
-        )
-    count = 0
-    for parameter in module.parameters():
-        if not isinstance(parameter, DTensor):
-            continue
-        names = parameter.device_mesh.mesh_dim_names or ()
-        if any(
-            isinstance(placement, Shard) and names[dim] == "tensor_parallel"
-            for dim, placement in enumerate(parameter.placements)
-        ):
-            count += parameter.numel()
-    return count
-
-
-def parameter_count(model_config: GPTConfig) -> int:
-    """Ψ: parameters of the whole model, from a copy on the meta device (no memory, no RNG draw)."""
-    with torch.device("meta"):
-        return GPT(model_config).num_parameters()
-
-
 def run(spec: RunSpec, rank: int) -> dict[str, Any]:
     """Train one run on this rank and return its measurements."""
     model_config = GPTConfig(**spec.model_config)
@@ -350,18 +209,14 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
     # its sampler by a DistributedSampler that shuffles training data with a fixed seed (PL_GLOBAL_SEED, else 0).
     loader = DataLoader(dataset, batch_size=spec.batch_size_per_rank, shuffle=False, drop_last=True)
     probe = BenchmarkProbe(spec.warmup_steps, spec.total_steps)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=spec.world_size,
-        strategy=build_strategy(spec.strategy, spec.init_args),
-        max_steps=spec.total_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
+    trainer = train_on_cpu(
+        build_strategy(spec.strategy, spec.init_args),
+        spec.world_size,
+        spec.total_steps,
+        BenchmarkModule(model_config, spec.learning_rate),
+        loader,
+        [probe],
     )
-    trainer.fit(BenchmarkModule(model_config, spec.learning_rate), train_dataloaders=loader)
     if len(probe.step_times) != spec.measured_steps:
         raise RuntimeError(f"Measured {len(probe.step_times)} steps, expected {spec.measured_steps}.")
     sampler_arguments = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -397,14 +252,14 @@ def rank_result(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", type=Path, required=True, help="run spec JSON written by benchmarks.run")
+    parser.add_argument("--spec", type=Path, required=True, help="run spec JSON written by benchmarks.peers")
     arguments = parser.parse_args(argv)
     spec = RunSpec.read(arguments.spec)
     rank = int(os.environ["RANK"])
     if spec.strategy in DEEPSPEED_STAGES:
         # Lightning's DeepSpeedStrategy refuses CPU accelerators, so DeepSpeed's own engine trains these runs; imported
         # only here, so the other configurations run without DeepSpeed installed.
-        from benchmarks.deepspeed_worker import run_deepspeed
+        from benchmarks.peers.deepspeed_worker import run_deepspeed
 
         result = run_deepspeed(spec, rank)
     else:

@@ -1,6 +1,6 @@
 """Raw gloo collectives on this machine: what one parameter exchange of the benchmark GPT costs by each route.
 
-``python -m benchmarks.gloo_collectives [--numel N] [--repeats R]`` starts two gloo ranks and times, on the
+``python -m benchmarks.communication.gloo_collectives [--numel N] [--repeats R]`` starts two gloo ranks and times, on the
 27,369,472 fp32 elements of the benchmark GPT: an all-reduce of the whole tensor (ZeRO's exchange on gloo, every rank
 contributing its own rows into zeros), gloo's all-gather of each rank's half into the whole, the same all-gather and
 a reduce-scatter built from point-to-point sends (``lightning_colossal.distributed.direct_exchange``, the engines'
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -22,15 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.harness.launch import free_port
 from lightning_colossal.distributed import direct_exchange
 
 BENCHMARK_GPT_NUMEL = 27_369_472
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _timed(operation: Callable[[], object], repeats: int) -> list[float]:
@@ -79,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per route")
     arguments = parser.parse_args(argv)
     print(f"2 gloo ranks, {arguments.numel:,} fp32 elements ({arguments.numel * 4 / 2**20:.1f} MiB)", flush=True)
-    mp.spawn(_rank, args=(_free_port(), arguments.numel, arguments.repeats), nprocs=2)
+    mp.spawn(_rank, args=(free_port(), arguments.numel, arguments.repeats), nprocs=2)
 
 
 if __name__ == "__main__":

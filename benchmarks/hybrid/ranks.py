@@ -1,4 +1,4 @@
-"""The body of one rank of ``benchmarks.hybrid``: ``python -m benchmarks.hybrid_ranks --spec spec.json``.
+"""The body of one rank of ``benchmarks.hybrid``: ``python -m benchmarks.hybrid.ranks --spec spec.json``.
 
 Two kinds of work, picked by the spec's ``kind``:
 
@@ -6,7 +6,7 @@ Two kinds of work, picked by the spec's ``kind``:
   ``training_step``) for several (schedule, micro-batch count) cases, timing per rank the whole schedule step and
   the compute inside it. The compute is timed by wrapping torch's own stage methods (``forward_one_chunk``,
   ``backward_one_chunk``, ``backward_weight_one_chunk``) and the schedule's loss call, in this process only.
-- ``training``: a Lightning ``Trainer`` with the configuration's strategy on ``benchmarks.worker.BenchmarkModule``; in
+- ``training``: a Lightning ``Trainer`` with the configuration's strategy on ``benchmarks.harness.workload.BenchmarkModule``; in
   chosen steps every collective is counted (``CollectiveCounter``) and the bytes of every tensor saved for backward
   are summed (``SavedActivations``).
 
@@ -36,8 +36,8 @@ from torch.distributed.pipelining import schedules, stage
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
-from benchmarks.machine import read_cpu_times
-from benchmarks.worker import BenchmarkModule, build_strategy
+from benchmarks.harness.machine import read_cpu_times
+from benchmarks.harness.workload import BenchmarkModule, build_strategy, train_on_cpu
 from lightning_colossal.config import HybridConfig
 from lightning_colossal.demo.data import RandomTokenDataset
 from lightning_colossal.demo.model import GPT, GPTConfig
@@ -284,18 +284,14 @@ def training_probe(spec: dict[str, Any]) -> dict[str, Any]:
     )
     loader = DataLoader(dataset, batch_size=spec["batch_size_per_rank"], shuffle=False, drop_last=True)
     probe = StepProbe(spec["probed_steps"])
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=build_strategy(spec["strategy"], spec["init_args"]),
-        max_steps=total_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
+    train_on_cpu(
+        build_strategy(spec["strategy"], spec["init_args"]),
+        world_size,
+        total_steps,
+        BenchmarkModule(model_config, spec["learning_rate"]),
+        loader,
+        [probe],
     )
-    trainer.fit(BenchmarkModule(model_config, spec["learning_rate"]), train_dataloaders=loader)
     return {"steps": probe.steps}
 
 

@@ -2,10 +2,10 @@
 
 Example (the setting of ``benchmarks/RESULTS.md``: 2 CPU ranks, 27.4M GPT, global batch 8, fp32 AdamW)::
 
-    python -m benchmarks.run --strategies colossal_ddp,ddp --peer ddp --repeats 5 --steps 12 --warmup 3 \
+    python -m benchmarks.peers --strategies colossal_ddp,ddp --peer ddp --repeats 5 --steps 12 --warmup 3 \
         --max-load 0.3 --output benchmarks/out/ddp.json --markdown
 
-Every (repeat, configuration) is a fresh run of ``--world-size`` rank processes (``benchmarks.worker``) joined
+Every (repeat, configuration) is a fresh run of ``--world-size`` rank processes (``benchmarks.peers.worker``) joined
 through the environment. Each repeat runs the configurations in a fresh seeded random order; each run is paired
 with the peer's run of the same repeat, and the report gives the median and range of those ratios. With
 ``--max-load``, a run during which other processes used more than that many cores is discarded and redone.
@@ -16,13 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import shlex
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +28,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configuration import (
+from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks, wait_for_quiet, window_other_load
+from benchmarks.harness.machine import cpu_description, git_revision, read_cpu_times, software_versions
+from benchmarks.harness.measure import STEP_TIME_STATISTICS, run_step_time
+from benchmarks.peers.configuration import (
     BENCHMARK_MODEL,
     Configuration,
     RunSpec,
@@ -40,23 +39,9 @@ from benchmarks.configuration import (
     parse_configuration,
     parse_strategy_names,
 )
-from benchmarks.machine import cpu_description, git_revision, quiet_load, read_cpu_times, software_versions
-from benchmarks.measure import STEP_TIME_STATISTICS, run_step_time
-from benchmarks.report import ACCEPTED_STATUSES, format_markdown, format_text, summarize_configurations
+from benchmarks.peers.report import ACCEPTED_STATUSES, format_markdown, format_text, summarize_configurations
 
 __all__ = ["RunFailed", "launch_ranks", "launch_run", "main", "parse_arguments", "wait_for_quiet"]
-
-REPOSITORY_ROOT = Path(__file__).resolve().parent.parent
-_LOG_TAIL_CHARACTERS = 4000
-
-
-class RunFailed(RuntimeError):
-    """A rank exited with an error, or the run ran past its timeout."""
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Arguments
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def _positive_int(text: str) -> int:
@@ -89,7 +74,7 @@ def _non_negative_float(text: str) -> float:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run",
+        prog="python -m benchmarks.peers",
         description="Benchmark training strategies side by side (see benchmarks/README.md).",
     )
     what = parser.add_argument_group("what to compare")
@@ -189,93 +174,6 @@ def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    environment = dict(os.environ)
-    environment.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        # One thread per rank: the ranks share the cores, and more threads per rank only contend.
-        OMP_NUM_THREADS="1",
-        # Fewer glibc arenas keep RSS closer to what the tensors use.
-        MALLOC_ARENA_MAX="2",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY_ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    return environment
-
-
-def _kill(processes: Sequence[subprocess.Popen[bytes]]) -> None:
-    """Kill every rank we started and whatever it started (each rank leads its own process group)."""
-    for process in processes:
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for process in processes:
-        process.wait()
-
-
-def _log_tails(log_paths: Sequence[Path]) -> str:
-    tails = []
-    for rank, path in enumerate(log_paths):
-        text = path.read_text(errors="replace") if path.exists() else "(no log)"
-        tails.append(
-            f"--- rank {rank} log (last {_LOG_TAIL_CHARACTERS} characters) ---\n{text[-_LOG_TAIL_CHARACTERS:]}"
-        )
-    return "\n".join(tails)
-
-
-def launch_ranks(module: str, arguments: Sequence[str], world_size: int, directory: Path, timeout: float) -> int:
-    """Run ``python -m module *arguments`` as ``world_size`` ranks joined through the environment; wait for all.
-
-    Each rank logs to ``directory/rank<R>.log``. Returns the ``MASTER_PORT`` the ranks used.
-
-    Raises:
-        RunFailed: a rank failed or the ranks passed ``timeout`` seconds; the message holds every rank's log tail.
-    """
-    log_paths = [directory / f"rank{rank}.log" for rank in range(world_size)]
-    port = _free_port()
-    deadline = time.perf_counter() + timeout
-    processes: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank, log_path in enumerate(log_paths):
-            with open(log_path, "wb") as log:
-                processes.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", module, *arguments],
-                        cwd=REPOSITORY_ROOT,
-                        env=_rank_environment(rank, world_size, port),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        while any(process.poll() is None for process in processes):
-            # One failed rank leaves the others waiting in a collective: stop them all at once.
-            if any(process.returncode not in (None, 0) for process in processes):
-                break
-            if time.perf_counter() > deadline:
-                _kill(processes)
-                raise RunFailed(f"{module} passed its {timeout:.0f} s timeout.\n{_log_tails(log_paths)}")
-            time.sleep(0.1)
-    finally:
-        _kill(processes)
-    return_codes = [process.returncode for process in processes]
-    if any(code != 0 for code in return_codes):
-        raise RunFailed(f"{module} failed, return codes {return_codes}.\n{_log_tails(log_paths)}")
-    return port
-
-
 def launch_run(spec: RunSpec, timeout: float) -> dict[str, Any]:
     """Start the ranks of one run, wait for them and return their results and the run's whole-run CPU figures.
 
@@ -289,7 +187,7 @@ def launch_run(spec: RunSpec, timeout: float) -> dict[str, Any]:
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     try:
-        port = launch_ranks("benchmarks.worker", ["--spec", str(spec_path)], spec.world_size, directory, timeout)
+        port = launch_ranks("benchmarks.peers.worker", ["--spec", str(spec_path)], spec.world_size, directory, timeout)
     except RunFailed as error:
         raise RunFailed(f"Run of {spec.strategy}: {error}") from None
     wall = time.perf_counter() - start
@@ -303,17 +201,6 @@ def launch_run(spec: RunSpec, timeout: float) -> dict[str, Any]:
         whole_run_load = max(0.0, cpu_after.busy_seconds - cpu_before.busy_seconds - own_cpu) / wall
     ranks = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(spec.world_size)]
     return {"wall_seconds": wall, "whole_run_other_load": whole_run_load, "port": port, "ranks": ranks}
-
-
-def window_other_load(ranks: Sequence[dict[str, Any]]) -> float | None:
-    """Cores other processes used during the measured steps: the machine's busy time over rank 0's window less
-    every rank's own CPU time, per second of the window (see the Note in ``benchmarks.machine``)."""
-    window = ranks[0]["window"]
-    busy = window["system_busy_seconds"]
-    if busy != busy:  # NaN: /proc/stat was unreadable
-        return None
-    own = sum(rank["window"]["process_cpu_seconds"] for rank in ranks)
-    return max(0.0, busy - own) / window["wall_seconds"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -335,22 +222,6 @@ def _spec(arguments: argparse.Namespace, configuration: Configuration, result_di
         seed=arguments.seed,
         result_directory=str(result_directory),
     )
-
-
-def wait_for_quiet(max_load: float, patience: float) -> float | None:
-    """Sample other processes' load until it is at most ``max_load`` or ``patience`` seconds passed."""
-    start = time.perf_counter()
-    # Several seconds: the other work on these machines comes in bursts that a one-second sample misses.
-    load = quiet_load(sample_seconds=3.0)
-    if load is None or load <= max_load:
-        return load
-    print(f"    waiting for a quiet machine: other load {load:.2f} cores > {max_load}", flush=True)
-    while load is not None and load > max_load and time.perf_counter() - start < patience:
-        time.sleep(2.0)
-        load = quiet_load(sample_seconds=3.0)
-    load_text = "unknown" if load is None else f"{load:.2f}"
-    print(f"    waited {time.perf_counter() - start:.0f} s; other load now {load_text} cores", flush=True)
-    return load
 
 
 def _measure_configuration(
@@ -445,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = parse_arguments(argv)
     command_arguments = list(sys.argv[1:] if argv is None else argv)
     context: dict[str, Any] = {
-        "command": shlex.join(["python", "-m", "benchmarks.run", *command_arguments]),
+        "command": shlex.join(["python", "-m", "benchmarks.peers", *command_arguments]),
         "machine": cpu_description(),
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "git": git_revision(REPOSITORY_ROOT),

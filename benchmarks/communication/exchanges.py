@@ -5,7 +5,7 @@
     python -m benchmarks.communication --world-size 4 --configurations colossal_ddp,colossal_fsdp   # scaling shape
 
 Each configuration is one launch of 2 rank processes (``--world-size``) (``python -m benchmarks.communication --rank-spec ...``,
-started like ``benchmarks.run`` starts its workers: gloo, ``OMP_NUM_THREADS=1``) training the demo GPT with Lightning
+started like ``benchmarks.peers`` starts its workers: gloo, ``OMP_NUM_THREADS=1``) training the demo GPT with Lightning
 for ``--steps`` steps. A probed step k (by default 2, 3 and 4: after the first steps' bucket rebuilds, chunk tracing
 and warnings) runs from the end of step k − 1 to the end of step k, so Lightning's loop between batches counts too; in
 it each rank records:
@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.communication_counting import (
+from benchmarks.communication.counting import (
     CONTROL_MAX_BYTES,
     NOT_COLLECTIVES,
     OP_RULES,
@@ -50,8 +50,8 @@ from benchmarks.communication_counting import (
     point_to_point_kind,
     wire_bytes,
 )
-from benchmarks.machine import cpu_description, git_revision, software_versions
-from benchmarks.run import REPOSITORY_ROOT, RunFailed, launch_ranks
+from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks
+from benchmarks.harness.machine import cpu_description, git_revision, software_versions
 
 # The workload: the demo GPT at a few million parameters (d256, 2 layers, vocabulary 2048, untied head: Ψ =
 # 2,644,992), 4 sequences of 64 tokens per rank, fp32, AdamW. Bytes scale with Ψ (and b·s·h), not with time.
@@ -686,10 +686,9 @@ def rank_main(spec_path: Path) -> None:
 def training_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """Train one configuration on this rank with Lightning, probing the chosen steps."""
     import torch
-    from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader
 
-    from benchmarks.worker import BenchmarkModule, build_strategy
+    from benchmarks.harness.workload import BenchmarkModule, build_strategy, train_on_cpu
     from lightning_colossal.demo.data import RandomTokenDataset
     from lightning_colossal.demo.model import GPTConfig
 
@@ -704,18 +703,14 @@ def training_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     )
     loader = DataLoader(dataset, batch_size=spec["batch_size_per_rank"], shuffle=False, drop_last=True)
     probe = _make_probe(spec["probed_steps"])
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=spec["world_size"],
-        strategy=build_strategy(spec["strategy"], spec["init_args"]),
-        max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
+    train_on_cpu(
+        build_strategy(spec["strategy"], spec["init_args"]),
+        spec["world_size"],
+        spec["steps"],
+        BenchmarkModule(model_config, spec["learning_rate"]),
+        loader,
+        [probe],
     )
-    trainer.fit(BenchmarkModule(model_config, spec["learning_rate"]), train_dataloaders=loader)
     return {
         "rank": rank,
         "steps": probe.steps,

@@ -4,8 +4,8 @@
     python -m benchmarks.hybrid --row tp-bytes    # tensor-parallel bytes per step vs Megatron's 4 b*s*h per layer
     python -m benchmarks.hybrid --row sp-memory   # saved activation bytes per rank with sequence parallelism vs without
 
-Every launch starts 2 rank processes of ``benchmarks.hybrid_ranks`` (gloo, ``OMP_NUM_THREADS=1``) the way
-``benchmarks.run`` starts its workers, waits for them with a timeout and writes every raw figure as JSON (default
+Every launch starts 2 rank processes of ``benchmarks.hybrid.ranks`` (gloo, ``OMP_NUM_THREADS=1``) the way
+``benchmarks.peers`` starts its workers, waits for them with a timeout and writes every raw figure as JSON (default
 ``benchmarks/out/hybrid_<row>.json``) and a markdown block for ``RESULTS.md`` to stdout. The bubble row is a timing:
 it waits for a quiet machine before every launch and discards a case whose measured steps ran while other processes
 used more than ``--max-load`` cores. The other two rows count bytes and are deterministic.
@@ -25,10 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.configuration import BENCHMARK_MODEL
-from benchmarks.hybrid_report import bubble_markdown, memory_markdown, theory_bubble, traffic_markdown
-from benchmarks.machine import cpu_description, git_revision, software_versions
-from benchmarks.run import REPOSITORY_ROOT, RunFailed, launch_ranks, wait_for_quiet, window_other_load
+from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks, wait_for_quiet, window_other_load
+from benchmarks.harness.machine import cpu_description, git_revision, software_versions
+from benchmarks.hybrid.report import bubble_markdown, memory_markdown, theory_bubble, traffic_markdown
+from benchmarks.peers.configuration import BENCHMARK_MODEL
 
 # The pipeline's model: wide layers, so one layer's compute (~20 ms forward for a micro-batch of 128 tokens on one
 # core) dwarfs a point-to-point transfer of its 0.5 MiB activation; a small vocabulary, so the first and last stages
@@ -93,7 +93,7 @@ def _launch(spec: dict[str, Any], scratch: Path, name: str, timeout: float) -> l
     spec = {**spec, "directory": str(directory)}
     spec_path = directory / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    launch_ranks("benchmarks.hybrid_ranks", ["--spec", str(spec_path)], spec["world_size"], directory, timeout)
+    launch_ranks("benchmarks.hybrid.ranks", ["--spec", str(spec_path)], spec["world_size"], directory, timeout)
     return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(spec["world_size"])]
 
 

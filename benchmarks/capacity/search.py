@@ -7,7 +7,7 @@ Example (the setting of ``benchmarks/RESULTS.md``, "Capacity under a memory budg
 On CPU ranks the compute device and the host are the same RAM, so the budget B is enforced by the engines' own byte
 accounting: the model-state bytes an engine holds *on the compute device* (DDP and ZeRO: parameters, gradients,
 optimizer state and buckets not offloaded; Gemini: every chunk byte its report places on the compute device) must
-stay within B at every sample of every step (``benchmarks.capacity_ranks``; for Gemini, a bound from above built
+stay within B at every sample of every step (``benchmarks.capacity.ranks``; for Gemini, a bound from above built
 with the engine's exact running peak of its working set). Gemini's automatic placement gets
 ``compute_memory_budget=B`` and keeps to it itself (it budgets the activations it traced too); the others are
 measured. A model "fits B" when ``--steps`` steps train on every rank with finite losses and no sample exceeds B.
@@ -31,8 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import cpu_description, git_revision, software_versions
-from benchmarks.run import REPOSITORY_ROOT, RunFailed, launch_ranks
+from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks
+from benchmarks.harness.machine import cpu_description, git_revision, software_versions
 
 __all__ = ["CapacityStrategy", "STRATEGIES", "classify", "largest_predicted", "main", "ratio_to", "search_largest"]
 
@@ -294,7 +294,7 @@ def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers:
     failure = None
     try:
         launch_ranks(
-            "benchmarks.capacity_ranks",
+            "benchmarks.capacity.ranks",
             ["--spec", str(spec_path)],
             arguments.world_size,
             directory,

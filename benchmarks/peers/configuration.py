@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import MODEL_STATE_FORMULAS, STRATEGY_MODES
+from benchmarks.harness.measure import MODEL_STATE_FORMULAS, STRATEGY_MODES
 
 __all__ = [
     "BENCHMARK_MODEL",

@@ -12,7 +12,7 @@ in matrix products (the tied LM head counted once, the embedding lookups not) an
 full, not causal, score matrix. MFU divides the achieved rate by the card's dense bf16 peak (989 TFLOP/s for H100 and
 H200 SXM, the datasheet figure), which this script names in its output so a reader can rescale it.
 
-Lightning's own ``ddp`` and FSDP2 (``ModelParallelStrategy`` + ``fully_shard``, as ``benchmarks.worker`` sets it up)
+Lightning's own ``ddp`` and FSDP2 (``ModelParallelStrategy`` + ``fully_shard``, as ``benchmarks.peers.worker`` sets it up)
 run in the same invocation, so every colossal row has a peer measured on the same card minutes apart.
 """
 
@@ -81,7 +81,7 @@ def run_configuration(arguments: argparse.Namespace) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     import lightning_colossal  # noqa: F401  (registers the colossal_* names)
-    from benchmarks.worker import BenchmarkModule
+    from benchmarks.peers.worker import BenchmarkModule
     from lightning_colossal.demo.data import RandomTokenDataset
     from lightning_colossal.demo.model import GPTConfig
 

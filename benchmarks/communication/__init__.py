@@ -1,0 +1,1 @@
+"""Benchmark study: bytes and time of every exchange of each strategy."""

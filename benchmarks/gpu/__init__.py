@@ -1,0 +1,1 @@
+"""Benchmark study: tokens/s, MFU and peak memory per strategy on a GPU."""

@@ -1,0 +1,1 @@
+"""What every benchmark study shares: launching ranks, the machine's load, measurement, the workload."""
