@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from lightning_colossal.checkpoint.consolidate import consolidate
+from lightning_colossal.checkpoint.layout import locate_checkpoint
+from lightning_colossal.checkpoint.sharded import load_description
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,10 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 weights_only=arguments.weights_only,
                 strip_prefix=arguments.strip_prefix,
             )
+        provenance = load_description(locate_checkpoint(arguments.checkpoint)).provenance()
     except (FileNotFoundError, ValueError, IsADirectoryError, NotADirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {written}")
+    print(f"wrote {written}" + (f" from a checkpoint {provenance}" if provenance else ""))
     return 0
 
 

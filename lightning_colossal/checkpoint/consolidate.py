@@ -18,14 +18,8 @@ from typing import Any
 import torch
 
 from lightning_colossal.checkpoint import atomic
-from lightning_colossal.checkpoint.layout import (
-    FORMAT_KEY,
-    MODEL_KEY,
-    CheckpointFiles,
-    CheckpointKind,
-    locate_checkpoint,
-    optimizer_key,
-)
+from lightning_colossal.checkpoint.format import MODEL_KEY, CheckpointDescription, TrainingTensors
+from lightning_colossal.checkpoint.layout import CheckpointFiles, CheckpointKind, locate_checkpoint
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_position
 from lightning_colossal.checkpoint.sharded import load_file_weights, load_metadata, read_sharded
 
@@ -69,7 +63,7 @@ def consolidate(
     weights_only = weights_only or as_safetensors
     _check_request(checkpoint, output, files, weights_only, strip_prefix)
     state = _read_state(checkpoint, files, weights_only)
-    weights: dict[str, torch.Tensor] = state.get(MODEL_KEY, {})
+    weights: dict[str, torch.Tensor] = state.model
     if strip_prefix:
         weights = strip_name_prefix(weights, strip_prefix)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -105,27 +99,23 @@ def _check_request(
         )
 
 
-def _read_state(checkpoint: Path, files: CheckpointFiles, weights_only: bool) -> dict[str, Any]:
+def _read_state(checkpoint: Path, files: CheckpointFiles, weights_only: bool) -> TrainingTensors:
     """The checkpoint's tensors: the weights alone, or everything the shards hold."""
     if not files.has_shards:
         # A checkpoint file copied without its shards still carries the weights (weights-only outputs).
-        return {MODEL_KEY: dict(load_file_weights(files))}
-    return read_sharded(files.shards, keys={MODEL_KEY} if weights_only else None)
+        return TrainingTensors(model=dict(load_file_weights(files)))
+    return TrainingTensors.from_state(read_sharded(files.shards, keys={MODEL_KEY} if weights_only else None))
 
 
 def _lightning_checkpoint(
-    files: CheckpointFiles, state: dict[str, Any], weights: dict[str, torch.Tensor]
+    files: CheckpointFiles, state: TrainingTensors, weights: dict[str, torch.Tensor]
 ) -> dict[str, Any]:
     """A full Lightning checkpoint: the file's metadata, the weights, and the optimizer states keyed by position."""
     contents = load_metadata(files)
-    contents.pop(FORMAT_KEY, None)
+    # Without the description the file is a plain Lightning checkpoint, which every strategy loads as one.
+    CheckpointDescription.remove_from(contents)
     contents["state_dict"] = weights
-    optimizers = []
-    index = 0
-    while optimizer_key(index) in state:
-        optimizers.append(rekey_by_position(state[optimizer_key(index)]))
-        index += 1
-    contents["optimizer_states"] = optimizers
+    contents["optimizer_states"] = [rekey_by_position(optimizer) for optimizer in state.optimizers]
     return contents
 
 

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_colossal.checkpoint import atomic
-from lightning_colossal.checkpoint.layout import FORMAT_KEY, MODEL_KEY, CheckpointKind, locate_checkpoint
-from lightning_colossal.checkpoint.sharded import load_metadata
+from lightning_colossal.checkpoint.format import TrainingTensors, model_item, model_name
+from lightning_colossal.checkpoint.layout import CheckpointKind, locate_checkpoint
+from lightning_colossal.checkpoint.sharded import load_description
 
-HUGGINGFACE_KEY = "huggingface"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # what transformers' save_pretrained uses
 _SIZE_UNITS = {"B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3}
 
@@ -95,7 +95,7 @@ def export_huggingface(
     output = Path(output_dir)
     if output.exists() and not output.is_dir():
         raise NotADirectoryError(f"{output} is a file: --format huggingface writes a directory; pass a new path.")
-    description = load_metadata(files).get(FORMAT_KEY, {}).get(HUGGINGFACE_KEY)
+    description = load_description(files).huggingface
     config_json = _config_json(checkpoint, description, config_dir)
     reader = FileSystemReader(str(files.shards))
     items = reader.read_metadata().state_dict_metadata
@@ -111,11 +111,11 @@ def export_huggingface(
 
 
 def _weight_names(checkpoint: str | Path, items: dict[str, Any], prefix: str) -> list[str]:
-    """The names (under ``MODEL_KEY``) of the tensors below ``prefix``: the Hugging Face model's weights."""
+    """The model names of the tensors below ``prefix``: the Hugging Face model's weights."""
     names = [
-        key[len(MODEL_KEY) + 1 :]
-        for key, item in items.items()
-        if key.startswith(f"{MODEL_KEY}.{prefix}") and isinstance(item, TensorStorageMetadata)
+        name
+        for name, item in ((model_name(key), item) for key, item in items.items())
+        if name is not None and name.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     ]
     if not names:
         raise ValueError(f"{checkpoint} holds no weights under {prefix!r}: it is not a checkpoint of this model.")
@@ -179,7 +179,7 @@ def _config_json(checkpoint: str | Path, description: dict[str, Any] | None, con
 
 def _common_prefix(items: dict[str, Any]) -> str:
     """Without a recorded prefix, the common first ``name.`` part of all weight names (often ``model.``)."""
-    names = [key[len(MODEL_KEY) + 1 :] for key in items if key.startswith(f"{MODEL_KEY}.")]
+    names = [name for name in map(model_name, items) if name is not None]
     first_parts = {name.split(".", 1)[0] for name in names}
     return f"{first_parts.pop()}." if len(first_parts) == 1 else ""
 
@@ -189,7 +189,7 @@ def _group_by_size(names: list[str], items: dict[str, Any], max_shard_bytes: int
     groups: list[list[str]] = [[]]
     size = 0
     for name in names:
-        item = items[f"{MODEL_KEY}.{name}"]
+        item = items[model_item(name)]
         nbytes = item.size.numel() * torch.empty((), dtype=item.properties.dtype).element_size()
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
@@ -201,13 +201,12 @@ def _group_by_size(names: list[str], items: dict[str, Any], max_shard_bytes: int
 
 def _read_items(reader: FileSystemReader, items: dict[str, Any], names: list[str]) -> dict[str, torch.Tensor]:
     """Read only ``names`` from the checkpoint's shards into fresh full tensors."""
-    state = {
-        MODEL_KEY: {
-            name: torch.empty(
-                tuple(items[f"{MODEL_KEY}.{name}"].size), dtype=items[f"{MODEL_KEY}.{name}"].properties.dtype
-            )
+    destinations = TrainingTensors(
+        model={
+            name: torch.empty(tuple(items[model_item(name)].size), dtype=items[model_item(name)].properties.dtype)
             for name in names
         }
-    }
+    )
+    state = destinations.to_state()
     _load_state_dict(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-    return state[MODEL_KEY]
+    return TrainingTensors.from_state(state).model

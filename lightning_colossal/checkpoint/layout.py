@@ -1,23 +1,18 @@
-"""What a lightning_colossal checkpoint looks like on disk, and how to tell what a path holds.
+"""Where a lightning_colossal checkpoint lies on disk, and how to tell what a path holds (``format`` says what it
+holds).
 
 A checkpoint saved by any lightning_colossal strategy at ``epoch=0-step=100.ckpt`` is two things side by side::
 
     epoch=0-step=100.ckpt                  one torch.save file: a plain Lightning checkpoint with the *full* model
                                            weights (``state_dict``), hyper-parameters, loops, callbacks, schedulers
-                                           and precision state, plus ``FORMAT_KEY`` naming its shards
+                                           and precision state, plus the format's description naming its shards
     epoch=0-step=100.ckpt.shards/<id>/     the sharded training state, written by every rank in parallel with
         .metadata                          torch.distributed.checkpoint (DCP): its index
         __0_0.distcp ...                   one data file per writing rank
 
 The file is what ``LightningModule.load_from_checkpoint`` reads: any process, no process group, no import of this
 package, the user's own class. The shards are what resuming reads: each rank takes only the pieces it needs, at any
-world size and in any strategy. Inside DCP the items are keyed by name, never by position:
-
-- ``model.<name>``: model weights by the LightningModule's own parameter/buffer names (fp32 masters where the
-  strategy keeps them); the file's ``state_dict`` is read back from exactly these items;
-- ``optimizer_<i>.state.<name>.<state key>`` and ``optimizer_<i>.param_groups``: the i-th optimizer, its
-  state keyed by parameter name (torch's distributed state-dict format);
-- ``rng.rank_<r>.*``: random-number-generator state of each rank, restored when the world size matches.
+world size and in any strategy; ``format`` lists the items they hold, keyed by name.
 
 ``<id>`` is new for every save, and the file names it: replacing the file is the single commit point of a save (see
 [Note: atomic save]). Copy or move a checkpoint as the file *and* its ``.shards`` directory; the file alone still
@@ -35,26 +30,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from lightning_colossal.checkpoint.format import CheckpointDescription
+
 META_FILENAME = "meta.pt"
 DCP_METADATA_FILENAME = ".metadata"
-FORMAT_KEY = "lightning_colossal"
-FORMAT_VERSION = 2
-SHARDS_KEY = "shards"
 SHARDS_SUFFIX = ".shards"
 
-MODEL_KEY = "model"
-RNG_KEY = "rng"
 # Names of leftovers of an interrupted save, next to the checkpoint they belong to (or inside its shards directory).
 STAGING_MARKER = ".partial-"
 REPLACED_MARKER = ".replaced-"
-
-
-def optimizer_key(index: int) -> str:
-    return f"optimizer_{index}"
-
-
-def rng_key(rank: int) -> str:
-    return f"rank_{rank}"
 
 
 def shards_root(entry: str | Path) -> Path:
@@ -110,13 +94,6 @@ def leftovers_of_interrupted_save(path: str | Path) -> list[Path]:
     return sorted(found, key=lambda sibling: sibling.stat().st_mtime, reverse=True)
 
 
-def format_entry(contents: Any) -> dict[str, Any] | None:
-    """Our ``FORMAT_KEY`` entry of a loaded checkpoint file, or ``None`` for a foreign (e.g. Lightning's) file."""
-    if isinstance(contents, dict) and isinstance(contents.get(FORMAT_KEY), dict):
-        return contents[FORMAT_KEY]
-    return None
-
-
 def read_checkpoint_file(path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
     """Load a checkpoint file with its tensors memory-mapped: only the pages a caller touches are read from disk.
 
@@ -159,12 +136,12 @@ def locate_checkpoint(path: str | Path) -> CheckpointFiles:
     if is_sharded_directory(path):
         return CheckpointFiles(CheckpointKind.SHARDED_DIRECTORY, path, shards=path)
     if path.is_file():
-        entry = format_entry(read_checkpoint_file(path))
-        if entry is None or SHARDS_KEY not in entry:
+        description = CheckpointDescription.from_contents(read_checkpoint_file(path))
+        if description is None or description.shards is None:
             return CheckpointFiles(CheckpointKind.FULL, path)
         # A symbolic link (ModelCheckpoint(save_last="link")) shares the shards of the file it points to.
         real = path.resolve()
-        return CheckpointFiles(CheckpointKind.SHARDED, path, shards=shards_root(real) / str(entry[SHARDS_KEY]))
+        return CheckpointFiles(CheckpointKind.SHARDED, path, shards=shards_root(real) / description.shards)
     if path.is_dir():
         missing = [name for name in (DCP_METADATA_FILENAME, META_FILENAME) if not (path / name).is_file()]
         raise ValueError(

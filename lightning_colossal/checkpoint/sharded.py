@@ -31,13 +31,10 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_colossal.checkpoint import atomic
+from lightning_colossal.checkpoint.format import MODEL_KEY, CheckpointDescription, TrainingTensors
 from lightning_colossal.checkpoint.layout import (
     DCP_METADATA_FILENAME,
-    FORMAT_KEY,
-    FORMAT_VERSION,
     META_FILENAME,
-    MODEL_KEY,
-    SHARDS_KEY,
     STAGING_MARKER,
     CheckpointFiles,
     CheckpointKind,
@@ -49,15 +46,20 @@ from lightning_colossal.distributed import collectives
 
 
 def save_sharded(
-    path: str | Path, tensor_state: dict[str, Any], metadata: dict[str, Any], group: ProcessGroup | None = None
+    path: str | Path,
+    tensor_state: dict[str, Any],
+    metadata: dict[str, Any],
+    group: ProcessGroup | None = None,
+    description: CheckpointDescription | None = None,
 ) -> None:
     """Write the checkpoint ``path`` and its shards atomically; every rank of ``group`` must call this.
 
     Args:
         path: the checkpoint file to create or replace (its shards go to ``path.shards/<id>/``).
-        tensor_state: nested dict of this rank's tensors (and small picklable objects), see ``layout``.
+        tensor_state: nested dict of this rank's tensors (and small picklable objects), ``TrainingTensors.to_state``.
         metadata: Lightning's non-tensor entries; only rank 0's copy is written.
         group: the ranks that share the checkpoint (the default group when ``None``).
+        description: what the file records about the save (the one already in ``metadata``, if any, when ``None``).
     """
     entry = Path(path).absolute()
     root = shards_root(entry)
@@ -81,12 +83,9 @@ def save_sharded(
         if is_committer:
             os.replace(staging, shards)
             contents = dict(metadata)
-            contents["state_dict"] = read_sharded(shards, keys={MODEL_KEY}).get(MODEL_KEY, {})
-            contents[FORMAT_KEY] = {
-                **metadata.get(FORMAT_KEY, {}),
-                "format_version": FORMAT_VERSION,
-                SHARDS_KEY: save_id,
-            }
+            described = description or CheckpointDescription.from_contents(metadata) or CheckpointDescription()
+            contents["state_dict"] = TrainingTensors.from_state(read_sharded(shards, keys={MODEL_KEY})).model
+            described.committed(shards=save_id).add_to(contents)
             _write_checkpoint_file(entry, contents)
             committed = True
             # Only now is the previous save unreferenced; a crash before here left it intact and in use.
@@ -243,6 +242,12 @@ def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> d
     contents = read_checkpoint_file(files.path, weights_only)
     contents.pop("state_dict", None)
     return contents
+
+
+def load_description(files: CheckpointFiles) -> CheckpointDescription:
+    """What the checkpoint's file (or format 1's ``meta.pt``) records about the save; every field unknown when it
+    records nothing."""
+    return CheckpointDescription.from_contents(load_metadata(files)) or CheckpointDescription()
 
 
 def load_file_weights(files: CheckpointFiles) -> dict[str, torch.Tensor]:

@@ -26,18 +26,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.checkpoint.huggingface import HUGGINGFACE_KEY, describe_huggingface_model
-from lightning_colossal.checkpoint.layout import (
-    FORMAT_KEY,
-    FORMAT_VERSION,
-    MODEL_KEY,
-    RNG_KEY,
-    CheckpointFiles,
-    CheckpointKind,
-    locate_checkpoint,
-    optimizer_key,
-    rng_key,
-)
+from lightning_colossal.checkpoint.format import CheckpointDescription, SavedItems, TrainingTensors
+from lightning_colossal.checkpoint.huggingface import describe_huggingface_model
+from lightning_colossal.checkpoint.layout import CheckpointFiles, CheckpointKind, locate_checkpoint
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_name
 from lightning_colossal.checkpoint.sharded import (
     load_file_weights,
@@ -126,25 +117,22 @@ class CheckpointingMixin(ProcessGroupMixin):
                 " its own sharded format. Drop storage_options."
             )
         path = Path(self.broadcast(str(filepath)))
-        tensor_state: dict[str, Any] = {MODEL_KEY: self._with_first_replica_buffers(checkpoint.pop("state_dict"))}
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        for index, state in enumerate(optimizer_states or []):
-            tensor_state[optimizer_key(index)] = state
-        tensor_state[RNG_KEY] = {
-            rng_key(self.global_rank): _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)
-        }
-        checkpoint[FORMAT_KEY] = {
-            "format_version": FORMAT_VERSION,
-            "strategy": type(self).__name__,
-            "world_size": self.world_size,
-            "num_optimizers": len(optimizer_states or []),
-            "parallel_dims": self.parallel_dims.axis_sizes() if self._parallel_dims is not None else None,
-        }
-        huggingface = describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
-        if huggingface is not None:
+        tensors = TrainingTensors(
+            model=self._with_first_replica_buffers(checkpoint.pop("state_dict")),
+            optimizers=list(checkpoint.pop("optimizer_states", None) or []),
+            rng_by_rank={self.global_rank: _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)},
+        )
+        description = CheckpointDescription(
+            strategy=type(self).__name__,
+            world_size=self.world_size,
+            num_optimizers=len(tensors.optimizers),
+            parallel_dims=self.parallel_dims.axis_sizes() if self._parallel_dims is not None else None,
             # What `consolidate --format huggingface` needs to write a from_pretrained directory.
-            checkpoint[FORMAT_KEY][HUGGINGFACE_KEY] = huggingface
-        save_sharded(path, tensor_state, checkpoint)
+            huggingface=(
+                describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
+            ),
+        )
+        save_sharded(path, tensors.to_state(), checkpoint, description=description)
 
     def _with_first_replica_buffers(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """``model_state`` with every buffer replaced by a copy of the first data-parallel replica's value.
@@ -201,7 +189,7 @@ class CheckpointingMixin(ProcessGroupMixin):
             )
         self._load_full_model_state(load_file_weights(files), strict)
         metadata = load_metadata(files, weights_only)
-        metadata.pop(FORMAT_KEY, None)
+        CheckpointDescription.remove_from(metadata)
         return metadata
 
     def _load_sharded_checkpoint(
@@ -209,43 +197,41 @@ class CheckpointingMixin(ProcessGroupMixin):
     ) -> dict[str, Any]:
         path, shards = files.path, files.shards
         assert shards is not None
-        shapes = saved_shapes(shards)
-        available = set(shapes)
+        saved = SavedItems(saved_shapes(shards))
         model_state = self.model_state_for_checkpoint()
-        _check_model_keys(
-            path, {f"{MODEL_KEY}.{name}" for name in self.whole_model_keys(model_state)}, available, strict
-        )
-        _check_model_shapes(path, model_state, shapes)
+        _check_model_keys(path, self.whole_model_keys(model_state), saved, strict)
+        _check_model_shapes(path, model_state, saved)
         metadata = load_metadata(files, weights_only)
-        tensor_state: dict[str, Any] = {MODEL_KEY: model_state}
+        description = CheckpointDescription.from_contents(metadata) or CheckpointDescription()
+        destinations = TrainingTensors(model=model_state)
         optimizers = self.optimizers if fitting else []
         if optimizers:
-            saved_count = metadata.get(FORMAT_KEY, {}).get("num_optimizers", 0)
-            _check_optimizer_count(path, saved_count, len(optimizers))
-            for index, optimizer in enumerate(optimizers):
-                tensor_state[optimizer_key(index)] = self.optimizer_names_and_state(optimizer)
+            _check_optimizer_count(path, description.num_optimizers, len(optimizers))
+            for optimizer in optimizers:
+                destinations.optimizers.append(self.optimizer_names_and_state(optimizer))
         held_back = {
-            index: _hold_back_unsaved_group_settings(
-                tensor_state[optimizer_key(index)], optimizer_key(index), available
-            )
-            for index in range(len(optimizers))
+            index: _hold_back_unsaved_group_settings(state, index, saved)
+            for index, state in enumerate(destinations.optimizers)
         }
-        own_rng = rng_key(self.global_rank)
-        restores_rng = any(key.startswith(f"{RNG_KEY}.{own_rng}.") for key in available)
+        own_rank = self.global_rank
+        restores_rng = saved.holds_rng_of(own_rank)
         if restores_rng:
-            tensor_state[RNG_KEY] = {own_rng: _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)}
+            destinations.rng_by_rank[own_rank] = _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)
+        tensor_state = destinations.to_state()
         load_sharded(shards, tensor_state, allow_partial=not strict)
+        # DCP filled the tensors in place and replaced the other values (param groups, random state) in the dict.
+        loaded = TrainingTensors.from_state(tensor_state)
         self._on_model_state_loaded()
         for index, settings in held_back.items():
-            for group, missing in zip(tensor_state[optimizer_key(index)]["param_groups"], settings, strict=True):
+            for group, missing in zip(loaded.optimizers[index]["param_groups"], settings, strict=True):
                 group.update(missing)
-        for index, optimizer in enumerate(optimizers):
-            self._load_optimizer_state(optimizer, tensor_state[optimizer_key(index)])
+        for optimizer, state in zip(optimizers, loaded.optimizers, strict=True):
+            self._load_optimizer_state(optimizer, state)
         if restores_rng:
-            _set_rng_states(tensor_state[RNG_KEY][own_rng])
+            _set_rng_states(loaded.rng_by_rank[own_rank])
         elif fitting:
             rank_zero_warn(
-                f"{path} was saved at world size {metadata.get(FORMAT_KEY, {}).get('world_size')} and holds no random"
+                f"{path} was saved at world size {description.world_size} and holds no random"
                 " state for some ranks of this run: those ranks continue from their seeded random state."
             )
         return metadata
@@ -271,17 +257,16 @@ class CheckpointingMixin(ProcessGroupMixin):
         return checkpoint
 
 
-def _check_model_keys(path: Path, expected: set[str], available: set[str], strict: bool) -> None:
-    saved_model_keys = {key for key in available if key.startswith(f"{MODEL_KEY}.")}
-    missing = sorted(expected - saved_model_keys)
-    unexpected = sorted(saved_model_keys - expected)
-    if not saved_model_keys:
+def _check_model_keys(path: Path, expected: set[str], saved: SavedItems, strict: bool) -> None:
+    saved_names = saved.model_names()
+    missing = sorted(expected - saved_names)
+    unexpected = sorted(saved_names - expected)
+    if not saved_names:
         raise ValueError(f"{path} holds no model weights: it is not a lightning_colossal training checkpoint.")
     if strict and (missing or unexpected):
-        prefix = len(MODEL_KEY) + 1
         raise RuntimeError(
-            f"Error loading {path}: missing keys {[key[prefix:] for key in missing[:10]]}"
-            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {[key[prefix:] for key in unexpected[:10]]}"
+            f"Error loading {path}: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
             f"{' ...' if len(unexpected) > 10 else ''}. The model differs from the one that was saved; set"
             " `self.strict_loading = False` in your LightningModule to load the matching weights only."
         )
@@ -302,15 +287,15 @@ def _check_optimizer_count(path: Path, saved: int, expected: int) -> None:
         )
 
 
-def _check_model_shapes(path: Path, model_state: Mapping[str, Any], shapes: Mapping[str, Any]) -> None:
+def _check_model_shapes(path: Path, model_state: Mapping[str, Any], saved: SavedItems) -> None:
     """Refuse, before any tensor is read, a checkpoint whose tensors have other whole shapes than this model's under
     the same names (DCP would stop inside its load plan with a multi-rank traceback and internal key names)."""
     mismatches = []
     for name, value in model_state.items():
-        saved = shapes.get(f"{MODEL_KEY}.{name}")
+        saved_shape = saved.model_shape(name)
         # A DTensor's shape is the whole tensor's, as the checkpoint records it; plain tensors are whole.
-        if isinstance(value, Tensor) and saved is not None and tuple(saved) != tuple(value.shape):
-            mismatches.append(f"{name}: {list(saved)} in the checkpoint, {list(value.shape)} in this model")
+        if isinstance(value, Tensor) and saved_shape is not None and tuple(saved_shape) != tuple(value.shape):
+            mismatches.append(f"{name}: {list(saved_shape)} in the checkpoint, {list(value.shape)} in this model")
     if mismatches:
         raise ValueError(
             f"{path} does not fit this model: {'; '.join(mismatches[:5])}{' ...' if len(mismatches) > 5 else ''}."
@@ -322,7 +307,7 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, Any], shapes: Mapp
 
 
 def _hold_back_unsaved_group_settings(
-    optimizer_state: dict[str, Any], prefix: str, available: set[str]
+    optimizer_state: dict[str, Any], optimizer_index: int, saved: SavedItems
 ) -> list[dict[str, Any]]:
     """Take out of ``optimizer_state``'s param groups the settings the checkpoint does not hold; returns them per group.
 
@@ -333,12 +318,13 @@ def _hold_back_unsaved_group_settings(
     """
     held_back: list[dict[str, Any]] = []
     for index, group in enumerate(optimizer_state.get("param_groups", [])):
-        group_prefix = f"{prefix}.param_groups.{index}."
-        if not any(key.startswith(group_prefix) for key in available):
+        if not saved.holds_optimizer_group(optimizer_index, index):
             held_back.append({})
             continue
         missing = {
-            key: value for key, value in group.items() if key != "params" and f"{group_prefix}{key}" not in available
+            key: value
+            for key, value in group.items()
+            if key != "params" and not saved.holds_optimizer_setting(optimizer_index, index, key)
         }
         for key in missing:
             del group[key]

@@ -32,6 +32,17 @@ def test_safetensors_output(sharded_checkpoint, tmp_path, capsys):
     torch.testing.assert_close(load_file(str(output)), WEIGHTS)
 
 
+def test_the_command_says_who_wrote_the_checkpoint(tmp_path, capsys):
+    from lightning_colossal.checkpoint.format import CheckpointDescription
+
+    path = tmp_path / "described.ckpt"
+    described = CheckpointDescription(strategy="ColossalZeroStrategy", world_size=2, num_optimizers=0)
+    save_sharded(path, {"model": WEIGHTS}, {"epoch": 0}, description=described)
+    assert main([str(path), str(tmp_path / "model.safetensors")]) == 0
+    expected = f"from a checkpoint saved by ColossalZeroStrategy at world size 2 with torch {torch.__version__}"
+    assert expected in capsys.readouterr().out
+
+
 def test_full_lightning_checkpoint_output(sharded_checkpoint, tmp_path):
     output = tmp_path / "full.ckpt"
     assert main([str(sharded_checkpoint), str(output)]) == 0
