@@ -112,8 +112,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(hidden)
-        # Shapes from qkv, not hidden: under split-gather sequence parallelism the input is a sequence shard and
-        # the column-parallel qkv gathers the whole sequence.
+        # Shapes from qkv, not hidden: under sequence parallelism the input is a sequence shard and qkv's output the
+        # whole sequence (split-gather: the column-parallel qkv gathers it; Ulysses: a hook on qkv exchanges heads
+        # for it, demo/parallel_policy.py).
         batch_size, sequence_length, _ = qkv.shape
         # -1 heads: under column-wise tensor parallelism this rank holds only its share of the heads.
         qkv = qkv.view(batch_size, sequence_length, -1, 3, self.head_dim)

@@ -10,17 +10,24 @@ row-parallel (the fused ``qkv`` is head-major, see the model's [Note: head-major
 shard holds whole heads), token embedding and LM head vocabulary-parallel and still tied. Split-gather sequence
 parallelism keeps the residual stream as sequence shards over the tensor-parallel ranks; Ulysses exchanges heads
 for sequence inside attention.
+
+Sequence parallelism is attached as hooks, so the GPT's own forward runs (``lightning_colossal/parallel/attached.py``
+[Note: techniques attach as hooks]): the token embedding's pre-hook checks that the sequence splits (split-gather),
+the position embedding's pre-hook looks up this rank's positions (both kinds), and in each attention a hook after
+``qkv`` exchanges sequence shards for head shards and a pre-hook of ``proj`` exchanges them back (Ulysses). The
+attention's forward takes its shapes from ``qkv``'s output and its head count from the features, which is what lets
+it run unchanged on the exchanged heads (the model's [Note: head-major fused qkv]).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_colossal.demo.model import GPT, CausalSelfAttention
+from lightning_colossal.demo.model import GPT
 from lightning_colossal.distributed import differentiable
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
@@ -68,13 +75,21 @@ class GPTPolicy(ModelPolicy):
         plan = ParallelPlan()
         if context.tp_size > 1:
             self._split_layers(model, context, plan)
+        attached = plan.attached
         if context.split_gather:
             plan.add_partial_gradients([*norm_parameters(model), model.position_embedding.weight])
+            check = functools.partial(_check_sequence_splits, context)
+            attached.before_forward(model.token_embedding, "split-gather: the sequence splits", check)
+        if context.split_gather or context.sp_size > 1:
+            positions = functools.partial(_rank_positions, context)
+            attached.before_forward(model.position_embedding, "sequence parallelism: this rank's positions", positions)
         if context.sp_size > 1:
             for block in model.blocks:
-                block.attn.forward = functools.partial(_ulysses_attention, block.attn, context)  # type: ignore[method-assign]
-        if context.split_gather or context.sp_size > 1:
-            model.forward = functools.partial(_forward, model, context)  # type: ignore[method-assign]
+                head_dim = block.attn.head_dim
+                to_heads = functools.partial(_sequence_shards_to_head_shards, context, head_dim)
+                attached.after_forward(block.attn.qkv, "Ulysses: sequence shards to head shards", to_heads)
+                to_sequence = functools.partial(_head_shards_to_sequence_shards, context, head_dim)
+                attached.before_forward(block.attn.proj, "Ulysses: head shards to sequence shards", to_sequence)
         return plan
 
     def _split_layers(self, model: GPT, context: ParallelContext, plan: ParallelPlan) -> None:
@@ -143,7 +158,7 @@ class GPTStage(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         if self.first:
-            hidden = _embed(self, self.context, hidden)
+            hidden = _embed(self, hidden)
         for layer in self.layers:
             hidden = layer(hidden)
         if self.last:
@@ -151,46 +166,63 @@ class GPTStage(nn.Module):
         return hidden
 
 
-def _embed(model: nn.Module, context: ParallelContext, input_ids: Tensor) -> Tensor:
+def _embed(stage: GPTStage, input_ids: Tensor) -> Tensor:
+    """The first stage's embedding, as ``GPT.forward`` computes it (sequence parallelism's hooks on the embeddings
+    apply here too)."""
     if input_ids.dim() != 2:
         raise ValueError(f"GPT expects input_ids of shape [batch, time], got shape {tuple(input_ids.shape)}.")
-    if context.split_gather and input_ids.shape[1] % context.tp_size != 0:
+    if input_ids.shape[1] > stage.position_embedding.num_embeddings:
         raise ValueError(
-            f"Split-gather sequence parallelism splits the sequence over tp_size={context.tp_size} ranks, but the batch"
-            f" has {input_ids.shape[1]} tokens per sequence: use a sequence length divisible by {context.tp_size}."
-        )
-    tokens = model.token_embedding(input_ids)  # a sequence shard under split-gather (reduce-scattered)
-    positions = positions_for(input_ids.shape[1], context)
-    if positions.stop > model.position_embedding.num_embeddings:
-        raise ValueError(
-            f"Sequence length exceeds block_size={model.position_embedding.num_embeddings}; crop the input or build"
+            f"Sequence length exceeds block_size={stage.position_embedding.num_embeddings}; crop the input or build"
             " the model with a larger block_size."
         )
-    position_ids = torch.arange(positions.start, positions.stop, device=input_ids.device)
-    return model.embedding_dropout(tokens + model.position_embedding(position_ids))
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return stage.embedding_dropout(stage.token_embedding(input_ids) + stage.position_embedding(positions))
 
 
-def _forward(model: GPT, context: ParallelContext, input_ids: Tensor) -> Tensor:
-    hidden = _embed(model, context, input_ids)
-    for block in model.blocks:
-        hidden = block(hidden)
-    return model.lm_head(model.final_norm(hidden))
+def _check_sequence_splits(
+    context: ParallelContext, module: nn.Module, args: tuple[Tensor, ...], kwargs: dict[str, Any]
+) -> None:
+    """Before the token embedding under split-gather, which reduce-scatters its output into sequence shards."""
+    length = args[0].shape[1]
+    if length % context.tp_size != 0:
+        raise ValueError(
+            f"Split-gather sequence parallelism splits the sequence over tp_size={context.tp_size} ranks, but the batch"
+            f" has {length} tokens per sequence: use a sequence length divisible by {context.tp_size}."
+        )
 
 
-def _ulysses_attention(attention: CausalSelfAttention, context: ParallelContext, hidden: Tensor) -> Tensor:
-    """Attention over the whole sequence from sequence shards: heads are exchanged for sequence and back."""
-    batch_size, local_length, _ = hidden.shape
-    qkv = attention.qkv(hidden).view(batch_size, local_length, -1, 3, attention.head_dim)
-    query, key, value = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads, local time, head_dim]
-    group = context.sp_group
-    # [batch, heads, time / sp, dim] -> [batch, heads / sp, time, dim]: each rank attends over every token.
-    query, key, value = (differentiable.all_to_all(tensor, 1, 2, group) for tensor in (query, key, value))
-    attended = F.scaled_dot_product_attention(
-        query, key, value, dropout_p=attention.dropout if attention.training else 0.0, is_causal=True
-    )
-    attended = differentiable.all_to_all(attended, 2, 1, group)
-    attended = attended.transpose(1, 2).reshape(batch_size, local_length, -1)
-    return attention.residual_dropout(attention.proj(attended))
+def _rank_positions(
+    context: ParallelContext, module: nn.Module, args: tuple[Tensor, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    """Before the position embedding: the positions of this rank's tokens instead of ``0 .. length - 1`` (the
+    token embedding's output is a sequence shard under split-gather; under Ulysses the batch arrives split)."""
+    positions = positions_for(args[0].shape[-1], context)
+    if positions.stop > module.num_embeddings:
+        raise ValueError(
+            f"Sequence length exceeds block_size={module.num_embeddings}; crop the input or build the model with a"
+            " larger block_size."
+        )
+    return (torch.arange(positions.start, positions.stop, device=args[0].device), *args[1:]), kwargs
+
+
+def _sequence_shards_to_head_shards(
+    context: ParallelContext, head_dim: int, module: nn.Module, args: tuple[Tensor, ...], qkv: Tensor
+) -> Tensor:
+    """After ``qkv`` under Ulysses: ``[batch, time / sp, heads * 3 * head_dim]`` becomes ``[batch, time, heads / sp
+    * 3 * head_dim]``, each rank keeping its block of heads (their q, k and v: the features are head-major) over the
+    whole sequence, so that attention sees every token."""
+    per_head = qkv.unflatten(-1, (-1, 3 * head_dim))
+    return differentiable.all_to_all(per_head, 2, 1, context.sp_group).flatten(2)
+
+
+def _head_shards_to_sequence_shards(
+    context: ParallelContext, head_dim: int, module: nn.Module, args: tuple[Tensor, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
+    """Before ``proj`` under Ulysses: the attention output ``[batch, time, heads / sp * head_dim]`` back to
+    ``[batch, time / sp, heads * head_dim]``."""
+    per_head = args[0].unflatten(-1, (-1, head_dim))
+    return (differentiable.all_to_all(per_head, 1, 2, context.sp_group).flatten(2), *args[1:]), kwargs
 
 
 __all__ = ["GPTPolicy", "GPTStage"]

@@ -13,17 +13,28 @@ exactly that (no embedding scaling, no extra per-layer inputs).
 
 [Note: split-gather on Hugging Face decoders]
 These attention modules size their reshapes from their input's sequence length, so the projections cannot gather
-the sequence one by one (as the demo GPT's do). Instead the residual stream, the norms and the embedding output are
-sequence shards, and each attention and MLP block gathers the whole sequence once at its input (backward:
-reduce-scatter of the summed input gradient); its column-parallel projections then take that input as it is and its
-row-parallel projection reduce-scatters back to shards. The base model's forward is replaced by one that builds
-positions, rotary embeddings and masks for the whole sequence and splits the embedding output.
+the sequence one by one (as the demo GPT's do). Instead the residual stream and the norms are sequence shards, and
+each attention and MLP block gathers the whole sequence once at its input (backward: reduce-scatter of the summed
+input gradient); its column-parallel projections then take that input as it is and its row-parallel projection
+reduce-scatters back to shards. The base model's own forward runs, with hooks attached ([Note: techniques attach
+as hooks] in ``attached.py``):
+
+- on the base model, before its forward: no KV cache (a given cache is refused, ``use_cache`` set to False);
+- on the first decoder layer, before it: the sequence is split. Not after the embedding: the base forward builds
+  position ids, the causal masks and the rotary embeddings from the embedding output's length, between the embedding
+  and the first layer, and they must be the whole sequence's, which attention sees. The layer's ``position_ids``
+  argument says the whole length; a hidden state of another length is a shard already, which is what the layer's
+  recomputation under activation checkpointing passes (``attached.py`` explains why it comes through this hook);
+- on each layer's ``self_attn`` and ``mlp``, before them: the sequence is gathered;
+- on the final norm, after it, when the head is whole: the sequence is gathered for the head (a vocabulary-parallel
+  head gathers it itself).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -109,14 +120,23 @@ class HuggingFacePlanPolicy(ModelPolicy):
                 module.input_gathered = True  # gathered once per attention / MLP block below
             elif isinstance(module, RowParallelLinear):
                 module.context = context  # reduce-scatter back to sequence shards
+        attached = plan.attached
+        attached.before_forward(base, "split-gather: no KV cache", _without_cache)
+        attached.before_forward(
+            base.layers[0], "split-gather: split the sequence", functools.partial(_split_whole_sequence, context)
+        )
         for layer in base.layers:
             for block in ("self_attn", "mlp"):
-                module = getattr(layer, block)
-                module.forward = functools.partial(_on_whole_sequence, module.forward, context)
+                gather = functools.partial(_gather_sequence, context)
+                attached.before_forward(getattr(layer, block), "split-gather: gather the sequence", gather)
         self._split_head(model, base, context, plan)
         plan.add_partial_gradients(norm_parameters(base))
-        head_split = isinstance(getattr(model, "lm_head", None), VocabParallelHead)
-        base.forward = functools.partial(_split_gather_forward, base, context, head_split)
+        if not isinstance(getattr(model, "lm_head", None), VocabParallelHead):
+            attached.after_forward(
+                base.norm,
+                "split-gather: gather the sequence for the whole head",
+                functools.partial(_gather_for_head, context),
+            )
         return plan
 
     @staticmethod
@@ -267,57 +287,70 @@ def _causal_masks(
     return masks
 
 
-def _on_whole_sequence(forward: Any, context: ParallelContext, *args: Any, **kwargs: Any) -> Any:
-    """Run an attention or MLP block on the whole sequence gathered from this rank's shard (its column-parallel
-    projections share the one gather; the gather's backward reduce-scatters their summed input gradient)."""
-    if "hidden_states" in kwargs:
-        kwargs["hidden_states"] = differentiable.gather_along(kwargs["hidden_states"], 1, context.tp_group)
-    else:
-        args = (differentiable.gather_along(args[0], 1, context.tp_group), *args[1:])
-    return forward(*args, **kwargs)
-
-
-def _split_gather_forward(
-    base: nn.Module,
-    context: ParallelContext,
-    head_split: bool,
-    input_ids: Tensor | None = None,
-    attention_mask: Tensor | None = None,
-    position_ids: Tensor | None = None,
-    past_key_values: Any = None,
-    inputs_embeds: Tensor | None = None,
-    use_cache: bool | None = None,
-    **kwargs: Any,
-) -> Any:
-    """The base decoder's forward with its residual stream in sequence shards (training and evaluation; no KV
-    cache). Positions, rotary embeddings and masks are built for the whole sequence, which attention sees."""
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
-    if past_key_values is not None:
+def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Before the base model: split-gather runs without a KV cache (every argument passed by name from here on)."""
+    names = [
+        name
+        for name, parameter in inspect.signature(module.forward).parameters.items()
+        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    arguments = {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
+    # ``past_key_values``: the older name of ``cache``, still accepted by transformers.
+    if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
         raise ValueError(
             "sequence_parallel='split_gather' runs without a KV cache: generate with a model trained this way after"
             " loading it without sequence parallelism."
         )
-    if inputs_embeds is None:
-        inputs_embeds = base.embed_tokens(input_ids)
-    length = inputs_embeds.shape[1]
+    arguments["use_cache"] = False
+    return (), arguments
+
+
+def _split_whole_sequence(
+    context: ParallelContext, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Before the first decoder layer: this rank's shard of the whole sequence (see [Note: split-gather on Hugging
+    Face decoders])."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(
+            f"Split-gather sequence parallelism reads the sequence length from the position_ids the base model passes"
+            f" its decoder layers, and this transformers version's {type(module).__name__} got none: drop"
+            " sequence_parallel='split_gather', or install a transformers version whose base forward passes them."
+        )
+    length = position_ids.shape[-1]
+    if _hidden_states(args, kwargs).shape[1] != length:
+        return None  # a shard already: the layer recomputed under activation checkpointing
     if length % context.tp_size != 0:
         raise ValueError(
             f"Split-gather sequence parallelism splits the sequence over tp_size={context.tp_size} ranks, but the batch"
             f" has {length} tokens per sequence: pad or crop to a multiple of {context.tp_size}."
         )
-    if position_ids is None:
-        position_ids = torch.arange(length, device=inputs_embeds.device).unsqueeze(0)
-    position_embeddings = base.rotary_emb(inputs_embeds, position_ids)
-    masks = _causal_masks(base.config, inputs_embeds, position_ids, attention_mask)
-    hidden = differentiable.split_along(inputs_embeds, 1, context.tp_group)
-    layers = enumerate(base.layers[: base.config.num_hidden_layers])
-    hidden = _run_layers(base.config, layers, hidden, masks, position_ids, position_embeddings)
-    hidden = base.norm(hidden)
-    if not head_split:
-        # A whole head runs identically on every rank: it needs the whole sequence, each rank's slice of the gradient.
-        hidden = differentiable.gather_for_replicated(hidden, 1, context.tp_group)
-    return BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=None)
+    return _with_hidden_states(
+        args, kwargs, differentiable.split_along(_hidden_states(args, kwargs), 1, context.tp_group)
+    )
+
+
+def _gather_sequence(context: ParallelContext, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Before an attention or MLP block: the whole sequence gathered from this rank's shard (its column-parallel
+    projections share the one gather; the gather's backward reduce-scatters their summed input gradient)."""
+    whole = differentiable.gather_along(_hidden_states(args, kwargs), 1, context.tp_group)
+    return _with_hidden_states(args, kwargs, whole)
+
+
+def _gather_for_head(context: ParallelContext, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
+    """After the final norm: a whole head runs identically on every rank, so it needs the whole sequence (and each
+    rank keeps its slice of the gradient)."""
+    return differentiable.gather_for_replicated(output, 1, context.tp_group)
+
+
+def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def _with_hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: Tensor) -> tuple[Any, Any]:
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": hidden}
+    return (hidden, *args[1:]), kwargs
 
 
 def _base_model(model: nn.Module) -> tuple[nn.Module, str]:

@@ -4,19 +4,18 @@ A policy knows one model family. It splits the model's layers over the tensor-pa
 parameter, how it was split), installs sequence parallelism, and tells the pipeline where the model's embedding,
 layer stack and head are. Policies replace submodules in place under their original attribute names, so every
 parameter keeps the name it had in the user's model: checkpoints, optimizer state and the consolidate command
-never see a policy's work.
+never see a policy's work. Sequence parallelism and activation checkpointing are attached as hooks, never by
+replacing a forward (``attached.py`` [Note: techniques attach as hooks]).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from lightning_colossal.parallel.attached import AttachedTechniques
 from lightning_colossal.parallel.tensor_parallel import (
     ColumnParallelLinear,
     LocalColumnsLinear,
@@ -54,11 +53,14 @@ class ParallelPlan:
             features (Qwen3's per-head ``q_norm``/``k_norm``). Add them with ``add_partial_gradients`` (each once).
         replicated: whole parameters inside a tensor-parallel region (see ``check_tensor_parallel_regions``) that
             the policy knows see the region's whole, replicated input: their gradients are complete on every rank.
+        attached: the hooks the policy attached to the model's modules (sequence parallelism); ``attached.remove()``
+            takes them off ([Note: techniques attach as hooks]).
     """
 
     placements: dict[int, TensorParallelPlacement] = field(default_factory=dict)
     partial_gradients: list[nn.Parameter] = field(default_factory=list)
     replicated: list[nn.Parameter] = field(default_factory=list)
+    attached: AttachedTechniques = field(default_factory=AttachedTechniques)
 
     def record(self, parameter: nn.Parameter | None, placement: TensorParallelPlacement) -> None:
         if parameter is not None:
@@ -110,18 +112,15 @@ class ModelPolicy:
             " layers/stage_module/prune."
         )
 
-    def wrap_layers_for_recomputation(self, model: nn.Module) -> None:
-        """Recompute each layer's activations in backward instead of keeping them (activation checkpointing)."""
+    def wrap_layers_for_recomputation(self, model: nn.Module) -> AttachedTechniques:
+        """Recompute each layer's activations in backward instead of keeping them (activation checkpointing), with
+        torch's composable ``checkpoint`` hooks on each layer: classes and parameter names stay as they are. Returns
+        the hooks, which ``remove()`` takes off."""
+        attached = AttachedTechniques()
         for layer in self.layers(model):
-            if isinstance(layer, nn.Identity):
-                continue
-            original = layer.forward
-            # An instance attribute keeps the layer's class and parameter names intact (no wrapper module).
-            layer.forward = functools.partial(_recomputed, original)  # type: ignore[method-assign]
-
-
-def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            if not isinstance(layer, nn.Identity):  # a layer another pipeline rank runs
+                attached.recompute_in_backward(layer)
+        return attached
 
 
 def column_parallel(

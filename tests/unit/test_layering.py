@@ -406,3 +406,46 @@ def test_the_engines_find_the_demo_gpt_by_its_declarations():
     # A policy passed by the user wins over the declared one.
     user_policy = GPTPolicy()
     assert find_policy(root, user_policy) == (model, user_policy)
+
+
+def _forward_assignments(tree):
+    """Lines that assign an attribute named ``forward``: ``x.forward = ...`` (any target that stores it: annotated,
+    augmented, inside a tuple, a loop variable) and ``setattr(x, "forward", ...)``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "forward" and isinstance(node.ctx, ast.Store):
+            yield node.lineno
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "setattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value == "forward"
+        ):
+            yield node.lineno
+
+
+def test_no_module_forward_is_assigned():
+    # parallel/attached.py [Note: techniques attach as hooks]: an assigned forward is invisible in print(model),
+    # cannot be undone, and replaces a library's forward with our copy of it.
+    found = [f"{relative}:{line}" for relative, tree in _modules() for line in _forward_assignments(tree)]
+    assert not found, (
+        f"{found} assign a module's forward. Attach the technique as forward hooks instead (AttachedTechniques in"
+        " lightning_colossal/parallel/attached.py: before_forward, after_forward, recompute_in_backward)."
+    )
+
+
+def test_the_forward_scan_sees_assignments():
+    planted = ast.parse(
+        textwrap.dedent(
+            """
+            layer.forward = functools.partial(recomputed, layer.forward)
+            setattr(block, "forward", attention)
+            model.forward: Callable = wrapped
+            first.forward, second = one, two
+            forward = layer.forward  # reading it is fine
+            table[layer.forward] = "also fine"
+            """
+        )
+    )
+    assert sorted(_forward_assignments(planted)) == [2, 3, 4, 5]
