@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -28,6 +28,11 @@ DEFAULT_COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 #: since its heartbeat thread keeps beating; short enough that a dead rank costs a minute, not the 30-minute
 #: collective timeout. A peer on the same host whose process is gone is found within one heartbeat interval (1 s).
 DEFAULT_HEARTBEAT_TIMEOUT = timedelta(seconds=60)
+
+#: How ZeRO-2 accumulates gradients over micro-batches (``ZeroConfig.stage2_accumulation``).
+Stage2Accumulation = Literal["sharded", "local"]
+#: How ZeRO and Gemini exchange gradients and parameters (``collectives.use_scatter_gather``; results are identical).
+Communication = Literal["auto", "all_reduce", "scatter_gather"]
 
 NonFiniteAction = Literal["raise", "skip", "warn"]
 NONFINITE_ACTIONS: tuple[str, ...] = ("raise", "skip", "warn")
@@ -135,24 +140,26 @@ class ZeroConfig:
 
     Args:
         stage: 1 shards optimizer state (and fp32 masters); 2 also shards gradients.
-        cpu_offload: keep fp32 masters, gradients shards and optimizer state in CPU memory and step there.
+        cpu_offload: keep fp32 masters, gradient shards and optimizer state in CPU memory and step the optimizer
+            there.
         bucket_size_mb: size of a gradient reduction bucket in MiB (of fp32-equivalent elements).
         overlap_communication: launch bucket reductions from gradient hooks while backward still runs.
-        stage2_accumulation: with gradient accumulation under stage 2, ``"sharded"`` reduces every micro-batch into
-            the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"`` accumulates full
-            gradients and reduces once per step (stage-1 memory during accumulation, least communication).
-        communication: ``"auto"`` or ``"scatter_gather"`` reduce-scatter gradients and all-gather parameters
-            (NCCL's collectives; point-to-point sends on gloo, where the all-gather is about twice as fast as an
-            all-reduce);
-            ``"all_reduce"`` does both with all-reduces instead (same results, twice the bytes).
+        stage2_accumulation: with gradient accumulation under stage 2, ``"sharded"`` (the default) reduces every
+            micro-batch into the sharded fp32 accumulator (stage-2 memory, more communication); ``"local"``
+            accumulates full gradients and reduces once per step (stage-1 memory during accumulation, least
+            communication).
+        communication: ``"auto"`` (chosen per backend) or ``"scatter_gather"`` reduce-scatter gradients and
+            all-gather parameters (NCCL's collectives; point-to-point sends on gloo, where the all-gather is about
+            twice as fast as an all-reduce); ``"all_reduce"`` does both with all-reduces instead (same results,
+            twice the bytes).
     """
 
     stage: int = 1
     cpu_offload: bool = False
     bucket_size_mb: float = 25.0
     overlap_communication: bool = True
-    stage2_accumulation: Literal["sharded", "local"] = "sharded"
-    communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto"
+    stage2_accumulation: Stage2Accumulation = "sharded"
+    communication: Communication = "auto"
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -275,7 +282,7 @@ class GeminiConfig:
     search_range_numel: int = 2**24
     search_step_numel: int = 2**16
     max_prefetch: int = 0
-    communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto"
+    communication: Communication = "auto"
     init_window_bytes: int = 2**30
     shard_frozen_parameters: bool = True
 
@@ -370,14 +377,17 @@ PipelineSchedule = Literal["1f1b", "interleaved", "zbv"]
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zbv")
 
 
+def _check_size(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """Pipeline settings of the hybrid engine: ``HybridConfig.pipeline``, present exactly when ``pp_size > 1``.
-
-    How many stages there are depends on ``pp_size`` as well, so ``HybridConfig`` checks ``layers_per_stage``
-    against it.
+    """Pipeline settings of the hybrid engine (``HybridConfig.pipeline``; ``None`` there means no pipeline).
 
     Args:
+        pp_size: pipeline ranks the layers are split over (at least 2).
         pp_schedule: ``"1f1b"``, ``"interleaved"`` (1F1B over ``num_model_chunks`` chunks per rank) or ``"zbv"``
             (zero-bubble V schedule, two chunks per rank).
         num_microbatches: micro-batches per pipeline step; set this or ``microbatch_size`` when ``pp_size > 1``.
@@ -387,6 +397,7 @@ class PipelineConfig:
             as evenly as possible (the remainder going to the middle stages).
     """
 
+    pp_size: int
     pp_schedule: PipelineSchedule = "1f1b"
     num_microbatches: int | None = None
     microbatch_size: int | None = None
@@ -396,9 +407,13 @@ class PipelineConfig:
     def __post_init__(self) -> None:
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
-        value = self.num_model_chunks
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"num_model_chunks={value!r}: pass an integer >= 1.")
+        _check_size("pp_size", self.pp_size)
+        if self.pp_size == 1:
+            raise ValueError(
+                "pipeline=PipelineConfig(...) splits the model over pipeline stages, but pp_size=1: set pp_size > 1"
+                " or pipeline=None."
+            )
+        _check_size("num_model_chunks", self.num_model_chunks)
         _check_pipeline_schedule(self.pp_schedule)
         if (self.num_microbatches is None) == (self.microbatch_size is None):
             raise ValueError(
@@ -424,11 +439,22 @@ class PipelineConfig:
                 f"pp_schedule='zbv' places exactly two chunks per rank in a V, but num_model_chunks="
                 f"{self.num_model_chunks}: pass num_model_chunks=2."
             )
-        if self.layers_per_stage is not None and any(count < 1 for count in self.layers_per_stage):
-            raise ValueError(
-                f"layers_per_stage={list(self.layers_per_stage)}: every stage needs at least one layer; pass positive"
-                " entries (layers of stage 0, 1, ...), or None for an even split."
-            )
+        if self.layers_per_stage is not None:
+            if any(count < 1 for count in self.layers_per_stage):
+                raise ValueError(
+                    f"layers_per_stage={list(self.layers_per_stage)}: every stage needs at least one layer; pass"
+                    " positive entries (layers of stage 0, 1, ...), or None for an even split."
+                )
+            if len(self.layers_per_stage) != self.num_stages:
+                raise ValueError(
+                    f"layers_per_stage={list(self.layers_per_stage)} must have pp_size * num_model_chunks ="
+                    f" {self.num_stages} positive entries (layers of stage 0, 1, ...), or be None for an even split."
+                )
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in total: ``pp_size * num_model_chunks``."""
+        return self.pp_size * self.num_model_chunks
 
 
 def _check_pipeline_schedule(pp_schedule: str) -> None:
@@ -437,131 +463,165 @@ def _check_pipeline_schedule(pp_schedule: str) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SplitGather:
+    """Megatron sequence parallelism: the residual stream, norms and dropout run on sequence shards of the
+    tensor-parallel group (all-gather before column-parallel layers, reduce-scatter after row-parallel ones); needs
+    ``tp_size > 1``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAll:
+    """Ulysses sequence parallelism: each rank of the ``sp`` axis holds a slice of the sequence, and attention
+    exchanges heads for sequence with two all-to-alls.
+
+    Args:
+        sp_size: sequence-parallel ranks (at least 2).
+    """
+
+    sp_size: int
+
+    def __post_init__(self) -> None:
+        _check_size("sp_size", self.sp_size)
+        if self.sp_size == 1:
+            raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
+
+
+#: How the sequence dimension is split, if at all (``None``: not split).
+SequenceParallelism = SplitGather | AllToAll
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradientAveraging:
+    """Data parallelism without ZeRO (hybrid's ``zero_stage=0``): gradients averaged over the data-parallel ranks
+    after the last backward of each step, in buckets of one dtype.
+
+    Args:
+        bucket_size_mb: size of a gradient all-reduce bucket in MiB (of fp32-equivalent elements).
+    """
+
+    bucket_size_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Settings of the hybrid 3D engine (``lightning_colossal.parallel``): tensor, pipeline, sequence, data parallel.
 
-    The data-parallel size is what is left: ``world_size / (tp_size * pp_size * sp_size)``.
+    Each part is its own settings object, which owns its size; the data-parallel size is what is left:
+    ``world_size / (tp_size * pp_size * sp_size)``. ``from_flat_arguments`` builds one from the strategy's flat
+    keyword arguments.
 
     Args:
         tp_size: tensor-parallel ranks (attention heads, MLP width and vocabulary are split over them).
-        pp_size: pipeline stages the layers are split into.
-        sp_size: Ulysses sequence-parallel ranks (``sequence_parallel="all_to_all"``).
-        zero_stage: 0 all-reduces gradients over the data-parallel axis; 1 shards optimizer state; 2 also shards
-            gradients (not with ``pp_size > 1``).
-        sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the tensor-parallel
-            group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for none, which becomes
-            ``"all_to_all"`` when ``sp_size > 1``.
-        pipeline: the pipeline settings (``PipelineConfig``) when ``pp_size > 1``; ``None`` when ``pp_size = 1``, so
-            the engine has a pipeline part exactly when this is set.
+        pipeline: the pipeline settings (``PipelineConfig``, which holds ``pp_size``), or ``None`` for no pipeline.
+        sequence_parallelism: ``SplitGather()``, ``AllToAll(sp_size=...)``, or ``None`` for no sequence parallelism.
+        data_parallel: the reduction over the data-parallel (and Ulysses) ranks: ``GradientAveraging(...)``
+            (``zero_stage=0``) or a ``ZeroConfig`` (ZeRO-1/2; stage 2 not with a pipeline).
         activation_checkpointing: recompute each transformer layer's activations in backward.
-        bucket_size_mb: gradient all-reduce bucket size (MiB) on the data-parallel axis.
         init_window_bytes: when the model was built on the meta device, how many bytes of this rank's pieces one
             initialisation pass may materialise at once (more passes, less memory).
     """
 
     tp_size: int = 1
-    pp_size: int = 1
-    sp_size: int = 1
-    zero_stage: int = 0
-    sequence_parallel: SequenceParallelMode | None = None
     pipeline: PipelineConfig | None = None
+    sequence_parallelism: SequenceParallelism | None = None
+    data_parallel: GradientAveraging | ZeroConfig = GradientAveraging()
     activation_checkpointing: bool = False
-    bucket_size_mb: float = 25.0
     init_window_bytes: int = 2**30
 
     def __post_init__(self) -> None:
         if self.init_window_bytes < 1:
             raise ValueError(f"init_window_bytes={self.init_window_bytes}: pass a positive integer.")
-        for name in ("tp_size", "pp_size", "sp_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r}: pass an integer >= 1.")
-        if self.zero_stage not in (0, 1, 2):
-            raise ValueError(
-                f"zero_stage={self.zero_stage}: pass 0 (all-reduce gradients), 1 (shard optimizer state) or 2 (also"
-                " shard gradients). For sharded parameters use `colossal_gemini` or `colossal_fsdp`."
-            )
-        if self.zero_stage == 2 and self.pp_size > 1:
+        _check_size("tp_size", self.tp_size)
+        if self.zero_stage == 2 and self.pipeline is not None:
             raise ValueError(
                 "zero_stage=2 with pp_size > 1 would reduce-scatter gradients after every micro-batch of the pipeline"
                 " schedule (ZeRO-2 keeps no full gradients to accumulate into): use zero_stage=1 with pipelines."
             )
-        if self.sp_size > 1 and self.sequence_parallel is None:
-            object.__setattr__(self, "sequence_parallel", "all_to_all")
-        if self.sequence_parallel not in (None, "split_gather", "all_to_all"):
+        if isinstance(self.sequence_parallelism, SplitGather) and self.tp_size == 1:
             raise ValueError(
-                f"sequence_parallel={self.sequence_parallel!r}: pass None, 'split_gather' or 'all_to_all'."
-            )
-        if self.sequence_parallel == "split_gather":
-            if self.tp_size == 1:
-                raise ValueError(
-                    "sequence_parallel='split_gather' shards activations over the tensor-parallel ranks, but tp_size=1:"
-                    " set tp_size > 1, or use sequence_parallel='all_to_all' with sp_size > 1."
-                )
-            if self.sp_size > 1:
-                raise ValueError(
-                    f"sp_size={self.sp_size} is the Ulysses axis, but sequence_parallel='split_gather' runs on the"
-                    " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
-                )
-        if self.sequence_parallel == "all_to_all" and self.sp_size == 1:
-            raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
-        self._validate_pipeline()
-        if not (math.isfinite(self.bucket_size_mb) and self.bucket_size_mb > 0):
-            raise ValueError(f"bucket_size_mb={self.bucket_size_mb}: pass a finite positive size in MiB, e.g. 25.")
-
-    def _validate_pipeline(self) -> None:
-        """``pipeline`` against ``pp_size`` (``PipelineConfig`` checked its own settings)."""
-        if self.pp_size == 1:
-            if self.pipeline is not None:
-                raise ValueError(
-                    "pipeline=PipelineConfig(...) splits the model over pipeline stages, but pp_size=1: set pp_size > 1"
-                    " or pipeline=None."
-                )
-            return
-        if self.pipeline is None:
-            raise ValueError(
-                f"pp_size={self.pp_size} needs pipeline=PipelineConfig(...) with exactly one of num_microbatches or"
-                " microbatch_size (how each batch is split into micro-batches), e.g. num_microbatches=4."
-            )
-        layers_per_stage = self.pipeline.layers_per_stage
-        if layers_per_stage is not None and len(layers_per_stage) != self.num_stages:
-            raise ValueError(
-                f"layers_per_stage={list(layers_per_stage)} must have pp_size * num_model_chunks = {self.num_stages}"
-                " positive entries (layers of stage 0, 1, ...), or be None for an even split."
+                "sequence_parallel='split_gather' shards activations over the tensor-parallel ranks, but tp_size=1:"
+                " set tp_size > 1, or use sequence_parallel='all_to_all' with sp_size > 1."
             )
 
     @classmethod
     def from_flat_arguments(
         cls,
         *,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        sp_size: int = 1,
+        zero_stage: int = 0,
+        sequence_parallel: SequenceParallelMode | None = None,
         pp_schedule: PipelineSchedule = "1f1b",
         num_microbatches: int | None = None,
         microbatch_size: int | None = None,
         num_model_chunks: int = 1,
         layers_per_stage: tuple[int, ...] | list[int] | None = None,
-        **settings: Any,
+        bucket_size_mb: float = 25.0,
+        activation_checkpointing: bool = False,
+        init_window_bytes: int = 2**30,
+        **zero_options: Any,
     ) -> HybridConfig:
-        """The config that one flat list of keyword arguments describes, the pipeline's among the others (how the
-        strategy's constructor, and so LightningCLI, takes them): ``pipeline`` is built when ``pp_size > 1``; with
-        ``pp_size=1`` the settings only a pipeline uses must keep their defaults, and the micro-batch settings are
-        ignored."""
-        pp_size = settings.get("pp_size", 1)
-        if isinstance(pp_size, int) and not isinstance(pp_size, bool) and pp_size > 1:
-            pipeline = PipelineConfig(
+        """The config that one flat list of keyword arguments describes (how the strategy's constructor, and so
+        LightningCLI, takes them). The flat arguments that are no field of a part are described here:
+
+        Args:
+            pp_size: pipeline stages the layers are split into; 1 for no pipeline, where the settings only a
+                pipeline uses must keep their defaults and the micro-batch settings are ignored.
+            sp_size: Ulysses sequence-parallel ranks (``sequence_parallel="all_to_all"``).
+            zero_stage: 0 all-reduces gradients over the data-parallel axis; 1 shards optimizer state; 2 also shards
+                gradients (not with ``pp_size > 1``).
+            sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the
+                tensor-parallel group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for
+                none, which becomes ``"all_to_all"`` when ``sp_size > 1``.
+            zero_options: further ``ZeroConfig`` settings, for ``zero_stage`` 1 or 2 only.
+        """
+        for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("sp_size", sp_size)):
+            _check_size(name, value)
+        if pp_size > 1:
+            pipeline: PipelineConfig | None = PipelineConfig(
+                pp_size=pp_size,
                 pp_schedule=pp_schedule,
                 num_microbatches=num_microbatches,
                 microbatch_size=microbatch_size,
                 num_model_chunks=num_model_chunks,
                 layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
             )
-            return cls(pipeline=pipeline, **settings)
-        _check_pipeline_schedule(pp_schedule)
-        if num_model_chunks != 1 or layers_per_stage is not None:
-            raise ValueError(
-                "num_model_chunks and layers_per_stage split the model over pipeline stages, but pp_size=1: set"
-                " pp_size > 1 or leave them at their defaults."
-            )
-        return cls(**settings)
+        else:
+            _check_pipeline_schedule(pp_schedule)
+            if num_model_chunks != 1 or layers_per_stage is not None:
+                raise ValueError(
+                    "num_model_chunks and layers_per_stage split the model over pipeline stages, but pp_size=1: set"
+                    " pp_size > 1 or leave them at their defaults."
+                )
+            pipeline = None
+        return cls(
+            tp_size=tp_size,
+            pipeline=pipeline,
+            sequence_parallelism=_sequence_parallelism(sp_size, sequence_parallel),
+            data_parallel=_data_parallel(zero_stage, bucket_size_mb, zero_options),
+            activation_checkpointing=activation_checkpointing,
+            init_window_bytes=init_window_bytes,
+        )
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline ranks (1 without a pipeline)."""
+        return 1 if self.pipeline is None else self.pipeline.pp_size
+
+    @property
+    def sp_size(self) -> int:
+        """Ulysses sequence-parallel ranks (1 without ``AllToAll``)."""
+        return self.sequence_parallelism.sp_size if isinstance(self.sequence_parallelism, AllToAll) else 1
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the data-parallel part (0: gradient averaging)."""
+        return self.data_parallel.stage if isinstance(self.data_parallel, ZeroConfig) else 0
 
     @property
     def model_parallel_size(self) -> int:
@@ -571,4 +631,46 @@ class HybridConfig:
     @property
     def num_stages(self) -> int:
         """Pipeline stages in total (``pp_size * num_model_chunks``; 1 without a pipeline)."""
-        return self.pp_size * (self.pipeline.num_model_chunks if self.pipeline is not None else 1)
+        return 1 if self.pipeline is None else self.pipeline.num_stages
+
+
+def _sequence_parallelism(sp_size: int, mode: SequenceParallelMode | None) -> SequenceParallelism | None:
+    """The flat ``sp_size`` / ``sequence_parallel`` pair as one setting (``sp_size > 1`` alone means Ulysses)."""
+    if mode not in (None, "split_gather", "all_to_all"):
+        raise ValueError(f"sequence_parallel={mode!r}: pass None, 'split_gather' or 'all_to_all'.")
+    if mode == "split_gather":
+        if sp_size > 1:
+            raise ValueError(
+                f"sp_size={sp_size} is the Ulysses axis, but sequence_parallel='split_gather' runs on the"
+                " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
+            )
+        return SplitGather()
+    if mode == "all_to_all" or sp_size > 1:
+        return AllToAll(sp_size=sp_size)
+    return None
+
+
+def _data_parallel(
+    zero_stage: int, bucket_size_mb: float, zero_options: dict[str, Any]
+) -> GradientAveraging | ZeroConfig:
+    """The flat ``zero_stage`` / ``bucket_size_mb`` (and further ZeRO settings) as one data-parallel setting."""
+    if zero_stage not in (0, 1, 2):
+        raise ValueError(
+            f"zero_stage={zero_stage}: pass 0 (all-reduce gradients), 1 (shard optimizer state) or 2 (also"
+            " shard gradients). For sharded parameters use `colossal_gemini` or `colossal_fsdp`."
+        )
+    defaults = {field.name: field.default for field in fields(ZeroConfig)}
+    if "stage" in zero_options:
+        raise TypeError("stage: the hybrid engine takes the ZeRO stage as zero_stage (0, 1 or 2).")
+    unknown = sorted(set(zero_options) - set(defaults))
+    if unknown:
+        raise TypeError(f"{', '.join(unknown)}: not a setting of the hybrid engine; ZeRO's are {', '.join(defaults)}.")
+    if zero_stage > 0:
+        return ZeroConfig(stage=zero_stage, bucket_size_mb=bucket_size_mb, **zero_options)
+    changed = [f"{name}={value!r}" for name, value in zero_options.items() if value != defaults[name]]
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} configures ZeRO, but zero_stage=0: set zero_stage=1 (or 2), or leave"
+            " it at its default."
+        )
+    return GradientAveraging(bucket_size_mb=bucket_size_mb)

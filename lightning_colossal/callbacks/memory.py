@@ -53,8 +53,9 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
     Gemini, ``"chunks"``: per chunk ``(compute_bytes, offload_bytes)``.
     """
     engine = getattr(trainer.strategy, "engine", None)
-    if not isinstance(engine, GeminiEngine | ZeroEngine) and isinstance(getattr(engine, "zero", None), ZeroEngine):
-        engine = engine.zero  # colossal_hybrid with ZeRO: its ZeRO engine holds the gradients and masters
+    data_parallel = getattr(engine, "data_parallel", None)
+    if not isinstance(engine, GeminiEngine | ZeroEngine) and isinstance(data_parallel, ZeroEngine):
+        engine = data_parallel  # colossal_hybrid with ZeRO: its ZeRO engine holds the gradients and masters
     record: dict[str, Any] = {}
     if isinstance(engine, GeminiEngine):
         report = engine.memory_report()

@@ -1,30 +1,75 @@
-"""Gradient averaging over the data-parallel axis without ZeRO (``zero_stage=0``).
+"""The data-parallel part of the hybrid engine without ZeRO (``zero_stage=0``): gradient averaging.
 
 Gradients are averaged once per optimizer step, after the last backward of an accumulation window, in flat
 buckets of one dtype (one all-reduce per bucket instead of one per parameter). It runs after backward rather than
 overlapping it: pipeline schedules produce gradients micro-batch by micro-batch, and the step is where every
 gradient is final in every mode.
+
+``GradientAverager`` offers the hybrid engine the same methods as ``ZeroEngine`` (the part with ZeRO), so the engine
+holds one data-parallel part of either kind; the ones that concern masters do nothing here, since the optimizer
+steps the parameters themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
 
+from lightning_colossal.config import GradientAveraging
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.distributed.staging import copy_out_of_flat
+from lightning_colossal.parallel.checkpoint_view import CheckpointView
 from lightning_colossal.parallel.tensor_parallel import local_view
+from lightning_colossal.zero import ReducedGradient
 
 
 class GradientAverager:
-    """Averages the ``.grad`` of ``parameters`` over ``group`` in buckets of about ``bucket_numel`` elements."""
+    """Averages the ``.grad`` of ``optimizer``'s parameters over ``group`` in buckets of ``config.bucket_size_mb``.
 
-    def __init__(self, parameters: list[nn.Parameter], group: ProcessGroup | None, bucket_numel: int) -> None:
-        self.parameters = parameters
+    Args:
+        optimizer: the user's optimizer; it steps the (averaged) parameters themselves.
+        group: the data-parallel (dp x sp) ranks, or ``None`` for one rank.
+        config: the averaging settings.
+        checkpoint_view: how the optimizer's state is described in checkpoints.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        group: ProcessGroup | None,
+        config: GradientAveraging,
+        checkpoint_view: CheckpointView,
+    ) -> None:
+        self.optimizer = optimizer
+        self.parameters: list[nn.Parameter] = [
+            parameter for group_of_parameters in optimizer.param_groups for parameter in group_of_parameters["params"]
+        ]
         self.group = group
-        self.bucket_numel = bucket_numel
+        self.bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
+        self.checkpoint_view = checkpoint_view
+
+    # ---------------------------------------------------------------------------------------------- step
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Nothing to hold back: gradients are averaged only when ``after_backward`` asks."""
+        yield
+
+    def after_backward(self, reduction_deferred: bool) -> None:
+        """Average every gradient now (whether or not backward ran inside ``no_sync``: it never reduces there)."""
+        self.average()
+
+    def after_step(self, stepped: bool) -> None:
+        """Nothing to publish: every rank stepped the same averaged gradients."""
+
+    def remove(self) -> None:
+        """No hooks to remove."""
 
     def average(self) -> None:
         if self.group is None:
@@ -57,3 +102,31 @@ class GradientAverager:
             sizes[key] = sizes.get(key, 0) + gradient.numel()
         buckets.extend(bucket for bucket in by_dtype.values() if bucket)
         return buckets
+
+    # ---------------------------------------------------------------------------------------------- clipping
+    def reduced_gradients(self) -> list[ReducedGradient]:
+        """Every averaged gradient (this rank's piece of a DTensor one), the same on every rank of the group."""
+        return [
+            ReducedGradient(parameter, local_view(parameter.grad), replicated=True)
+            for parameter in self.parameters
+            if parameter.grad is not None
+        ]
+
+    # ---------------------------------------------------------------------------------------------- checkpoints
+    def with_precise_masters(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """``model_state`` unchanged: the parameters are the only copy of the weights."""
+        return model_state
+
+    def resync_after_model_state_loaded(self) -> None:
+        """No second copy of the weights to refresh."""
+
+    def parameters_to_masters(self) -> None:
+        """No masters to refresh from the parameters."""
+
+    def optimizer_state_by_name(self) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, tensor-parallel pieces as DTensors."""
+        return self.checkpoint_view.describe_optimizer_state(self.optimizer)
+
+    def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
+        """Load a name-keyed state cut to this rank's pieces (``CheckpointView.local_optimizer_state``)."""
+        self.checkpoint_view.load_plain_optimizer_state(self.optimizer, loaded)

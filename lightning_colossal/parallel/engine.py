@@ -8,8 +8,9 @@ result, each owned by its own module:
 - ``initial_weights.py``: the weights every rank starts from ([Note: meta-device models]);
 - ``pipeline.py``: this rank's stages and the schedule's steps, only when ``pp_size > 1`` ([Note: tied weights
   across stages]);
-- ``data_parallel.py`` or the ZeRO engine: the reduction over the dp x sp ranks (``groups.py`` [Note: the
-  gradient-reduction axis]), attached once the optimizer exists;
+- the data-parallel part, ``data_parallel.py``'s averager or the ZeRO engine (both offer the same methods): the
+  reduction over the dp x sp ranks (``groups.py`` [Note: the gradient-reduction axis]), attached once the optimizer
+  exists;
 - ``checkpoint_view.py``: weights and optimizer state as checkpoints see them ([Note: fused shards are saved whole]).
 
 The engine itself keeps what spans the parts: the gradient sums over the tensor-parallel ranks, the hooks a training
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import HybridConfig, ZeroConfig
+from lightning_colossal.config import HybridConfig, SplitGather, ZeroConfig
 from lightning_colossal.distributed import collectives, sharded_state
 from lightning_colossal.distributed.meta_init import has_meta_tensors
 from lightning_colossal.parallel.checkpoint_view import CheckpointView
@@ -39,7 +40,7 @@ from lightning_colossal.parallel.initial_weights import initialise_from_template
 from lightning_colossal.parallel.names import ParameterNames
 from lightning_colossal.parallel.pipeline import PipelineStep
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, check_tensor_parallel_regions
-from lightning_colossal.parallel.tensor_parallel import ParallelContext, VocabParallelHead, local_view, loss_context
+from lightning_colossal.parallel.tensor_parallel import ParallelContext, VocabParallelHead, loss_context
 from lightning_colossal.zero import ZeroEngine
 
 
@@ -73,15 +74,13 @@ class HybridEngine:
             tp_group=groups.tp_group,
             tp_mesh=groups.tp_mesh,
             sp_group=groups.sp_group,
-            split_gather=config.sequence_parallel == "split_gather",
+            split_gather=isinstance(config.sequence_parallelism, SplitGather),
         )
         #: The pipeline part (``pp_size > 1`` only).
         self.pipeline: PipelineStep | None = None
-        #: The data-parallel part, set by ``attach_optimizer``: an averager (``zero_stage=0``) or a ZeRO engine.
-        self.averager: GradientAverager | None = None
-        self.zero: ZeroEngine | None = None
-        #: The optimizer ``attach_optimizer`` took (its state is saved and loaded by name through the engine).
-        self.optimizer: Optimizer | None = None
+        #: The data-parallel part, set by ``attach_optimizer``: an averager (``zero_stage=0``) or a ZeRO engine. It
+        #: holds the optimizer, whose state it saves and loads by name.
+        self.data_parallel: GradientAverager | ZeroEngine | None = None
         self._blocked = False
         self._parallelize(timeout)
         self.checkpoint_view = CheckpointView(root, self.plan, self.context, groups, self.names)
@@ -115,14 +114,14 @@ class HybridEngine:
         ]
         # 3. Activation checkpointing: each layer recomputes its activations in backward.
         if config.activation_checkpointing:
-            self.policy.wrap_layers_for_recomputation(model)
+            self.plan.attached.extend(self.policy.wrap_layers_for_recomputation(model))
         # 4. Pipeline split: this rank keeps its stages' layers, the rest is pruned.
         if config.pipeline is not None:
             self.pipeline = PipelineStep(
                 root,
                 model,
                 self.policy,
-                config,
+                config.pipeline,
                 self.groups,
                 self.context,
                 self.names,
@@ -141,24 +140,20 @@ class HybridEngine:
         """Data parallelism over dp x sp for the optimizer's parameters: averaging, or ZeRO-1/2. Replaces the one an
         earlier optimizer had (a second ``fit``)."""
         self.detach_optimizer()
-        self.optimizer = optimizer
-        config, groups = self.config, self.groups
-        if config.zero_stage == 0:
-            in_optimizer = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-            bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
-            self.averager = GradientAverager(in_optimizer, groups.reduce_group, bucket_numel)
+        settings, groups = self.config.data_parallel, self.groups
+        if not isinstance(settings, ZeroConfig):
+            self.data_parallel = GradientAverager(optimizer, groups.reduce_group, settings, self.checkpoint_view)
             return
         if any(isinstance(parameter, DTensor) for parameter in self.root.parameters()):
             raise ValueError(
-                f"zero_stage={config.zero_stage} with DTensor parameters (tensor parallelism your configure_model"
+                f"zero_stage={settings.stage} with DTensor parameters (tensor parallelism your configure_model"
                 " applied) is not supported: ZeRO shards plain tensors. Use zero_stage=0, or let the strategy split the"
                 " model (a built-in policy or policy={'pattern': 'colwise' | 'rowwise'}) so ZeRO can shard it."
             )
-        zero_config = ZeroConfig(stage=config.zero_stage, bucket_size_mb=config.bucket_size_mb)
-        self.zero = ZeroEngine(
+        self.data_parallel = ZeroEngine(
             self.root,
             optimizer,
-            zero_config,
+            settings,
             groups.reduce_mesh,
             self.device,
             describe=self.checkpoint_view.describe_master,
@@ -168,15 +163,13 @@ class HybridEngine:
         """Drop the data-parallel part of an earlier optimizer. Its ZeRO gradient hooks go first: left on the
         parameters, they would reduce every later gradient a second time, into the old engine's buffers."""
         self.stop_reducing()
-        self.zero = None
-        self.averager = None
-        self.optimizer = None
+        self.data_parallel = None
 
     def stop_reducing(self) -> None:
         """End of a run: remove the ZeRO gradient hooks, keeping its shards, which a checkpoint saved after the run
         (``trainer.save_checkpoint`` after ``fit``) still describes."""
-        if self.zero is not None:
-            self.zero.remove()
+        if self.data_parallel is not None:
+            self.data_parallel.remove()
 
     def remove(self) -> None:
         """Remove every hook the engine installed (the model keeps its split form)."""
@@ -193,7 +186,7 @@ class HybridEngine:
 
     def _reduction_deferred(self) -> AbstractContextManager[Any]:
         # ZeRO reduces in backward hooks; a pipeline schedule runs backward per micro-batch, so it reduces after.
-        return self.zero.no_sync() if self.zero is not None else nullcontext()
+        return self.data_parallel.no_sync() if self.data_parallel is not None else nullcontext()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -206,20 +199,18 @@ class HybridEngine:
             self._blocked = False
 
     def after_backward(self) -> None:
-        """After the last backward of a step: tie stages, then average over data parallelism (ZeRO-1/2 reduced
-        during backward already, except after a pipeline schedule)."""
+        """After the last backward of a step: tie stages, then reduce over data parallelism (ZeRO-1/2 reduced
+        during backward already, except after a pipeline schedule, which ran backward inside ``no_sync``)."""
         if self._blocked:
             return
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients()
-        if self.averager is not None:
-            self.averager.average()
-        elif self.zero is not None and self.pipeline is not None:
-            self.zero.reduce_now()
+        if self.data_parallel is not None:
+            self.data_parallel.after_backward(reduction_deferred=self.pipeline is not None)
 
     def after_step(self, stepped: bool) -> None:
-        if self.zero is not None:
-            self.zero.after_step(stepped)
+        if self.data_parallel is not None:
+            self.data_parallel.after_step(stepped)
 
     def loss_context(self) -> AbstractContextManager[Any]:
         """``loss_parallel`` under tensor parallelism (vocabulary-sharded logits), for forward and backward alike."""
@@ -254,31 +245,14 @@ class HybridEngine:
 
     def _gradients_for_norm(self) -> tuple[list[Tensor], list[Tensor]]:
         """(every gradient the step uses, the ones this rank counts in the norm)."""
-        if self.zero is not None:
-            entries = [(entry, entry.master.grad) for entry in self.zero.sharded_masters]
-            owner = {
-                entry.name: member.parameter
-                for entry, member in zip(self.zero.sharded_masters, self.zero.members, strict=True)
-            }
-            all_gradients = [gradient for _, gradient in entries if gradient is not None]
-            counted = [
-                gradient
-                for entry, gradient in entries
-                if gradient is not None
-                and gradient.numel()
-                and self._counted_here(id(owner[entry.name]), replicated_over_reduce=entry.spec.replicated)
-            ]
-            return all_gradients, counted
-        assert self.averager is not None
-        all_gradients = [
-            local_view(parameter.grad) for parameter in self.averager.parameters if parameter.grad is not None
-        ]
+        reduced = self._data_parallel_part().reduced_gradients()
         counted = [
-            local_view(parameter.grad)
-            for parameter in self.averager.parameters
-            if parameter.grad is not None and self._counted_here(id(parameter), replicated_over_reduce=True)
+            piece.gradient
+            for piece in reduced
+            if piece.gradient.numel()
+            and self._counted_here(id(piece.parameter), replicated_over_reduce=piece.replicated)
         ]
-        return all_gradients, counted
+        return [piece.gradient for piece in reduced], counted
 
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip by the L2 norm over every rank's gradients (tensor, pipeline and data parallel); returns the norm."""
@@ -298,19 +272,19 @@ class HybridEngine:
         """This rank's weights as a checkpoint stores them (``CheckpointView.model_state``); under ZeRO with
         low-precision parameters, the fp32 masters instead of their working copies."""
         state = self.checkpoint_view.model_state()
-        return state if self.zero is None else self.zero.with_precise_masters(state)
+        return state if self.data_parallel is None else self.data_parallel.with_precise_masters(state)
 
     def after_model_state_loaded(self) -> None:
         """A checkpoint filled ``model_state_for_checkpoint()`` in place: cut fused tensors back, re-sync ZeRO."""
         self.checkpoint_view.restore_gathered()
-        if self.zero is not None:
-            self.zero.resync_after_model_state_loaded()
+        if self.data_parallel is not None:
+            self.data_parallel.resync_after_model_state_loaded()
 
     def load_full_weights(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         """Copy whole weights (a full checkpoint, or a Hugging Face file) into this rank's shards (and masters)."""
         self.checkpoint_view.load_full_weights(state_dict, strict)
-        if self.zero is not None:
-            self.zero.parameters_to_masters()
+        if self.data_parallel is not None:
+            self.data_parallel.parameters_to_masters()
 
     def full_weights(self) -> dict[str, Tensor]:
         """The whole model's weights as plain CPU tensors on every rank (``CheckpointView.full_weights``)."""
@@ -319,19 +293,14 @@ class HybridEngine:
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The attached optimizer's state keyed by canonical names, its groups listing the whole model's parameters
         (a collective over the pipeline ranks)."""
-        view = self.checkpoint_view
-        if self.zero is not None:
-            return view.canonical_optimizer_state(self.zero.optimizer_state_by_name())
-        return view.canonical_optimizer_state(view.describe_optimizer_state(self._attached_optimizer()))
+        return self.checkpoint_view.canonical_optimizer_state(self._data_parallel_part().optimizer_state_by_name())
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Load a state ``optimizer_state_by_name`` saved (under any layout) into the attached optimizer."""
-        local = self.checkpoint_view.local_optimizer_state(loaded)
-        if self.zero is not None:
-            self.zero.load_optimizer_state_by_name(local)
-        else:
-            self.checkpoint_view.load_plain_optimizer_state(self._attached_optimizer(), local)
+        self._data_parallel_part().load_optimizer_state_by_name(self.checkpoint_view.local_optimizer_state(loaded))
 
-    def _attached_optimizer(self) -> Optimizer:
-        assert self.optimizer is not None, "the optimizer's state exists once `attach_optimizer` took it (fitting)"
-        return self.optimizer
+    def _data_parallel_part(self) -> GradientAverager | ZeroEngine:
+        assert self.data_parallel is not None, (
+            "the data-parallel part exists once `attach_optimizer` took the optimizer"
+        )
+        return self.data_parallel

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_colossal.config import HybridConfig
+from lightning_colossal.config import PipelineConfig
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.parallel.batches import pipeline_batch
@@ -41,7 +41,7 @@ class PipelineStep:
         root: the module whose parameter names checkpoints use (the LightningModule).
         model: the model the policy knows (``root`` itself or one of its submodules), already tensor-parallel.
         policy: the model's policy (it knows the layer stack, the embedding and the head).
-        config: hybrid settings; ``config.pipeline`` is set.
+        config: the pipeline settings.
         groups: process groups from ``groups.build_groups``.
         context: the tensor-parallel groups (the last stage may return vocabulary-sharded logits).
         names: the whole model's names (weights tied across stages have several).
@@ -56,7 +56,7 @@ class PipelineStep:
         root: nn.Module,
         model: nn.Module,
         policy: ModelPolicy,
-        config: HybridConfig,
+        config: PipelineConfig,
         groups: HybridGroups,
         context: ParallelContext,
         names: ParameterNames,
@@ -64,8 +64,8 @@ class PipelineStep:
         timeout: timedelta,
         reduction_deferred: Callable[[], AbstractContextManager[Any]],
     ) -> None:
-        assert config.pipeline is not None and groups.pp_group is not None
-        self.config = config.pipeline
+        assert groups.pp_group is not None
+        self.config = config
         self.group = groups.pp_group
         self.context = context
         self.device = device

@@ -93,9 +93,9 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
     #: [Note: running statistics follow the first replica] in ``distributed/running_statistics.py``.
     wrapper_syncs_buffers: ClassVar[bool] = False
     _running_statistics: Sequence[torch.nn.Module] = ()  # set by ``_prepare_module``
-    #: Classes describing constructor arguments the strategy forwards (a config); with this base's own docstring
-    #: they complete every subclass's ``Args:`` section (``strategies/docstrings.py``).
-    argument_doc_sources: ClassVar[tuple[type, ...]] = ()
+    #: Classes (or functions) describing constructor arguments the strategy forwards (a config); with this base's own
+    #: docstring they complete every subclass's ``Args:`` section (``strategies/docstrings.py``).
+    argument_doc_sources: ClassVar[tuple[object, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -2,10 +2,11 @@
 
 LightningCLI (through jsonargparse and docstring-parser) shows an argument's description only when the class whose
 constructor takes it documents it, one argument per line. The arguments every strategy passes to the base (the
-timeout, the launcher, ...) and those a strategy forwards to its config (``HybridConfig``) are described once,
-where they are defined; ``complete_argument_docs`` copies those descriptions into each strategy's docstring when
-the class is created, so ``help(ZeroStrategy)`` and the API docs list them all without the text being written five
-times. A strategy forwards its ``**kwargs`` to ``super().__init__``; ``constructor_arguments`` follows that the way
+timeout, the launcher, ...) and those a strategy forwards to its config (``ZeroConfig``, ``HybridConfig`` and
+the flat arguments ``HybridConfig.from_flat_arguments`` turns into one) are described once, where they are defined;
+``complete_argument_docs`` copies those descriptions into each strategy's docstring when the class is created, so
+``help(ZeroStrategy)`` and the API docs list them all without the text being written twice. A strategy's constructor
+still names every argument (LightningCLI reads the signature), but describes only those no source does. A strategy forwards its ``**kwargs`` to ``super().__init__``; ``constructor_arguments`` follows that the way
 jsonargparse does for ``--trainer.strategy.help``, so both see the same arguments.
 """
 
@@ -14,8 +15,9 @@ from __future__ import annotations
 import inspect
 
 
-def argument_docs(documented: type) -> dict[str, list[str]]:
-    """The ``Args:`` entries of ``documented``'s docstring: name -> its lines (first line, then continuations)."""
+def argument_docs(documented: object) -> dict[str, list[str]]:
+    """The ``Args:`` entries of ``documented``'s docstring (a class's or a function's): name -> its lines (first
+    line, then continuations)."""
     doc = inspect.getdoc(documented) or ""
     if "Args:\n" not in doc:
         return {}
@@ -51,11 +53,15 @@ def constructor_arguments(cls: type) -> list[str]:
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 
 
-def complete_argument_docs(cls: type, sources: tuple[type, ...]) -> None:
-    """Add to ``cls``'s ``Args:`` section every constructor argument it does not describe, from ``sources``."""
+def complete_argument_docs(cls: type, sources: tuple[object, ...]) -> None:
+    """Add to ``cls``'s ``Args:`` section (made at the end when it has none) every constructor argument it does not
+    describe, from ``sources`` (classes or functions; the first that describes an argument wins)."""
     doc = inspect.getdoc(cls)
-    if not doc or "Args:\n" not in doc:
+    if not doc:
         return
+    doc += "\n"  # an ``Args:`` header on the last line opens the section too
+    if "Args:\n" not in doc:
+        doc += "\nArgs:\n"
     own = argument_docs(cls)
     borrowed = [argument_docs(source) for source in sources]
     missing: list[str] = []

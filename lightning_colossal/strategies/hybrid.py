@@ -18,7 +18,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import HybridConfig, PipelineConfig, PipelineSchedule, SequenceParallelMode
+from lightning_colossal.config import (
+    Communication,
+    HybridConfig,
+    PipelineConfig,
+    PipelineSchedule,
+    SequenceParallelMode,
+    ZeroConfig,
+)
 from lightning_colossal.distributed import ParallelDims
 from lightning_colossal.distributed.running_statistics import modules_with_running_statistics
 from lightning_colossal.parallel import (
@@ -53,7 +60,9 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
     """
 
     strategy_name = "colossal_hybrid"
-    argument_doc_sources = (HybridConfig, PipelineConfig)
+    # The flat arguments are described where they land: a part of HybridConfig, or from_flat_arguments for those
+    # that are no part's field (pp_size, sp_size, zero_stage, sequence_parallel).
+    argument_doc_sources = (HybridConfig, HybridConfig.from_flat_arguments, PipelineConfig, ZeroConfig)
     # The engine splits a meta model first (parallel/initial_weights.py [Note: meta-device models]).
     materialises_meta_models = True
     manual_optimization_refusal = (
@@ -77,10 +86,13 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         bucket_size_mb: float = 25.0,
         init_window_bytes: int = 2**30,
         policy: ModelPolicy | dict[str, str] | None = None,
+        communication: Communication = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        # The pipeline's keyword arguments become ``hybrid_config.pipeline`` (``None`` when pp_size=1).
+        # Each group of flat arguments becomes one part of the config: ``pipeline`` (``None`` when pp_size=1),
+        # ``sequence_parallelism`` and ``data_parallel`` (a ``ZeroConfig`` when zero_stage > 0). ZeRO settings after
+        # zero_stage and bucket_size_mb are passed by name and reach ``ZeroConfig`` unchanged.
         self.hybrid_config = HybridConfig.from_flat_arguments(
             tp_size=tp_size,
             pp_size=pp_size,
@@ -95,6 +107,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             activation_checkpointing=activation_checkpointing,
             bucket_size_mb=bucket_size_mb,
             init_window_bytes=init_window_bytes,
+            communication=communication,
         )
         self.policy = policy
         self.engine: HybridEngine | None = None

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import ZeroConfig
+from lightning_colossal.config import Communication, Stage2Accumulation, ZeroConfig
 from lightning_colossal.strategies._lightning_private import _sync_module_states
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.zero import ZeroEngine
@@ -29,18 +29,12 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
     """ZeRO stage 1 or 2 over the data-parallel ranks, optionally with the optimizer on the CPU.
 
     Registered as ``colossal_zero1``, ``colossal_zero2``, ``colossal_zero1_offload``, ``colossal_zero2_offload``
-    (each also ``*_notebook``).
-
-    Args:
-        stage: 1 shards fp32 masters and optimizer state; 2 also shards gradients.
-        cpu_offload: keep masters, gradient shards and optimizer state in CPU memory and step the optimizer there.
-        bucket_size_mb: gradient bucket size in MiB.
-        overlap_communication: reduce buckets from gradient hooks while backward runs.
-        stage2_accumulation: ``"sharded"`` (reduce every micro-batch, keep stage-2 memory; default) or
-            ``"local"`` (accumulate full gradients, reduce once per step).
-        communication: ``"auto"`` (per backend), ``"all_reduce"`` or ``"scatter_gather"``; results are identical.
+    (each also ``*_notebook``). Every argument is a ``ZeroConfig`` setting, described there (the ``Args:`` below are
+    completed from it).
     """
 
+    # The constructor names each ZeroConfig field once more, as LightningCLI reads arguments from the signature.
+    argument_doc_sources = (ZeroConfig,)
     manual_optimization_refusal = "the engine owns when gradients are reduced and parameters re-synchronised"
 
     def __init__(
@@ -49,8 +43,8 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
         cpu_offload: bool = False,
         bucket_size_mb: float = 25.0,
         overlap_communication: bool = True,
-        stage2_accumulation: Literal["sharded", "local"] = "sharded",
-        communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
+        stage2_accumulation: Stage2Accumulation = "sharded",
+        communication: Communication = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)

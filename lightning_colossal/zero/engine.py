@@ -1,7 +1,7 @@
 """ZeRO-1/2: optimizer state (and, for stage 2, gradients) sharded over data-parallel ranks. No Lightning here.
 
 The user's optimizer is kept (so LR schedulers and ``param_groups`` edits keep working) but its parameter lists are
-replaced by *masters*: this rank's rows of each parameter (see ``layout`` [Note: sharding along dim 0]). An fp32
+replaced by *masters*: this rank's rows of each parameter (``distributed/rows.py`` [Note: sharding along dim 0]). An fp32
 parameter that is not offloaded is its own master (a view, no copy). Low-precision parameters and CPU offload get
 fp32 masters in one flat buffer on the offload device. After each optimizer step the updated rows are written back
 and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
@@ -38,9 +38,9 @@ from lightning_colossal.config import ZeroConfig
 from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.distributed.rows import shard_spec
 from lightning_colossal.distributed.sharded_state import ShardedMaster
 from lightning_colossal.distributed.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
-from lightning_colossal.zero.layout import shard_spec
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
 from lightning_colossal.zero.stages import Stage1Reducer, Stage2Reducer
 
@@ -54,6 +54,15 @@ class ZeroMemoryReport(NamedTuple):
     optimizer_state_bytes: int
     bucket_bytes: int
     num_parameters: int
+
+
+class ReducedGradient(NamedTuple):
+    """A reduced gradient this rank holds for the optimizer step: the rows it owns under ZeRO, the whole gradient
+    under plain averaging."""
+
+    parameter: nn.Parameter  # the model parameter it belongs to
+    gradient: Tensor
+    replicated: bool  # every rank of the reduction group holds the same values (counted once in a global norm)
 
 
 class ZeroEngine:
@@ -222,6 +231,12 @@ class ZeroEngine:
             and not collectives.sends_directly(self.process_group)
         )
 
+    def after_backward(self, reduction_deferred: bool) -> None:
+        """After the last backward of a step. The gradient hooks reduced during backward, unless it ran inside
+        ``no_sync`` (``reduction_deferred``: a pipeline schedule's micro-batches); then reduce now."""
+        if reduction_deferred:
+            self.reduce_now()
+
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica, then clear gradients for the next step."""
         if stepped:
@@ -306,6 +321,15 @@ class ZeroEngine:
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
         sharded_state.clip_by_value(self.sharded_masters, clip_value)
+
+    def reduced_gradients(self) -> list[ReducedGradient]:
+        """This rank's reduced gradient rows, for a caller that counts them in a norm over more ranks than this
+        engine's (hybrid parallelism: each element once across tensor, pipeline and data parallelism)."""
+        return [
+            ReducedGradient(member.parameter, entry.master.grad, entry.spec.replicated)
+            for entry, member in zip(self.sharded_masters, self.members, strict=True)
+            if entry.master.grad is not None
+        ]
 
     # ---------------------------------------------------------------------------------------------- accounting
     def memory_report(self) -> ZeroMemoryReport:

@@ -6,9 +6,7 @@ Which rows of a parameter each rank owns is shared with Gemini and lives in ``li
 
 from __future__ import annotations
 
-from lightning_colossal.distributed.rows import ShardSpec, owned_rows, shard_spec
-
-__all__ = ["ShardSpec", "owned_rows", "plan_buckets", "shard_spec"]
+__all__ = ["plan_buckets"]
 
 
 def plan_buckets(numels: list[int], bucket_numel: int) -> list[list[int]]:

@@ -27,7 +27,8 @@ from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
-from lightning_colossal.zero.layout import ShardSpec, plan_buckets
+from lightning_colossal.distributed.rows import ShardSpec
+from lightning_colossal.zero.layout import plan_buckets
 
 
 @dataclass

@@ -43,6 +43,42 @@ def test_two_ranks_match_oracle(rank_pool_2, case):
     _assert_matches(results, bodies.oracle(dp_size, STEPS))
 
 
+def zero_part_body(strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A short fit, with what the hybrid engine's data-parallel part was built from."""
+    from lightning.pytorch import seed_everything
+
+    from lightning_colossal import HybridParallelStrategy
+    from lightning_colossal.zero import ZeroEngine
+
+    seed_everything(bodies.MODEL_SEED, verbose=False)
+    module = bodies.TinyGPTModule()
+    strategy = HybridParallelStrategy(**strategy_kwargs)
+    trainer = bodies.quiet_trainer(devices=torch.distributed.get_world_size(), strategy=strategy, max_steps=STEPS)
+    trainer.fit(module)
+    assert strategy.engine is not None
+    part = strategy.engine.data_parallel
+    assert isinstance(part, ZeroEngine)
+    return {
+        "weights": bodies.full_weights(module, strategy),
+        "losses": module.step_losses,
+        "config": part.config,
+        "the_strategys_config": part.config is strategy.hybrid_config.data_parallel,
+        "scatter_gather": part.use_scatter_gather,
+    }
+
+
+def test_zero_settings_reach_the_zero_engine_under_hybrid(rank_pool_2):
+    """A ZeRO setting the hybrid strategy passes on (here `communication`) is the one ZeroConfig its ZeRO engine runs
+    with: the parameter exchange all-reduces instead of all-gathering, and training still matches the oracle."""
+    kwargs = {"zero_stage": 1, "bucket_size_mb": 0.01, "communication": "all_reduce"}
+    results = rank_pool_2.run(zero_part_body, kwargs, timeout=300)
+    for result in results:
+        assert result["the_strategys_config"]
+        assert result["config"].communication == "all_reduce" and result["config"].bucket_size_mb == 0.01
+        assert result["scatter_gather"] is False
+    _assert_matches(results, bodies.oracle(2, STEPS))
+
+
 CASES_4 = {
     "tp2_dp2": ({"tp_size": 2}, 2),
     "tp2_dp2_zero2": ({"tp_size": 2, "zero_stage": 2}, 2),

@@ -10,7 +10,14 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_colossal  # noqa: F401  (registers the strategy names)
-from lightning_colossal.config import HybridConfig, PipelineConfig
+from lightning_colossal.config import (
+    AllToAll,
+    GradientAveraging,
+    HybridConfig,
+    PipelineConfig,
+    SplitGather,
+    ZeroConfig,
+)
 from lightning_colossal.distributed.mesh import ParallelDims
 from lightning_colossal.parallel.batches import map_tensors, microbatch_count, pipeline_inputs, split_sequence
 from lightning_colossal.parallel.stages import split_layers, stage_holders, stages_of_rank
@@ -198,17 +205,29 @@ def test_hybrid_config_rejects_invalid_settings(arguments, message):
 
 
 @pytest.mark.parametrize(
-    "arguments, message",
+    "build, message",
     [
-        ({"pp_size": 2}, "exactly one of num_microbatches"),
-        ({"pipeline": PipelineConfig(num_microbatches=4)}, "but pp_size=1"),
-        ({"pp_size": 2, "pipeline": PipelineConfig(num_microbatches=4, layers_per_stage=(4, 4, 4))}, "= 2 positive"),
-        ({"pp_size": 2, "zero_stage": 2, "pipeline": PipelineConfig(num_microbatches=4)}, "zero_stage=1 with pipe"),
+        (lambda: HybridConfig(pipeline=PipelineConfig(pp_size=2)), "exactly one of num_microbatches"),
+        (lambda: HybridConfig(pipeline=PipelineConfig(pp_size=1, num_microbatches=4)), "but pp_size=1"),
+        (
+            lambda: HybridConfig(pipeline=PipelineConfig(pp_size=2, num_microbatches=4, layers_per_stage=(4, 4, 4))),
+            "= 2 positive",
+        ),
+        (
+            lambda: HybridConfig(
+                pipeline=PipelineConfig(pp_size=2, num_microbatches=4), data_parallel=ZeroConfig(stage=2)
+            ),
+            "zero_stage=1 with pipe",
+        ),
+        (lambda: HybridConfig(sequence_parallelism=SplitGather()), "but tp_size=1"),
+        (lambda: HybridConfig(sequence_parallelism=AllToAll(sp_size=1)), "needs sp_size > 1"),
     ],
 )
-def test_nested_hybrid_config_checks_the_pipeline_against_pp_size(arguments, message):
+def test_nested_hybrid_config_checks_the_pipeline_against_pp_size(build, message):
+    # The parts own their sizes (the pipeline its pp_size, Ulysses its sp_size), so a pipeline of one rank or a
+    # pipeline without its micro-batch setting cannot be built at all.
     with pytest.raises(ValueError, match=message):
-        HybridConfig(**arguments)
+        build()
 
 
 @pytest.mark.parametrize(
@@ -221,17 +240,44 @@ def test_nested_hybrid_config_checks_the_pipeline_against_pp_size(arguments, mes
         ({"num_microbatches": 4, "num_model_chunks": 0}, "num_model_chunks=0"),
         ({"num_microbatches": 4, "pp_schedule": "interleaved"}, "num_model_chunks >= 2"),
         ({"num_microbatches": 4, "layers_per_stage": (8, 0)}, "positive entries"),
+        ({"num_microbatches": 4, "layers_per_stage": (8, 8, 8)}, "pp_size \\* num_model_chunks = 2"),
+        ({"num_microbatches": 4, "pp_size": 1}, "but pp_size=1"),
+        ({"num_microbatches": 4, "pp_size": 0}, "pp_size=0"),
     ],
 )
 def test_pipeline_config_rejects_invalid_settings(arguments, message):
     with pytest.raises(ValueError, match=message):
-        PipelineConfig(**arguments)
+        PipelineConfig(**{"pp_size": 2, **arguments})
 
 
 def test_hybrid_config_defaults_sequence_parallel_to_all_to_all_with_sp():
-    assert HybridConfig(sp_size=2).sequence_parallel == "all_to_all"
-    assert HybridConfig().sequence_parallel is None
-    assert HybridConfig(tp_size=2, sequence_parallel="split_gather").sequence_parallel == "split_gather"
+    assert HybridConfig.from_flat_arguments(sp_size=2).sequence_parallelism == AllToAll(sp_size=2)
+    assert HybridConfig.from_flat_arguments(sp_size=2).sp_size == 2
+    assert HybridConfig().sequence_parallelism is None
+    assert HybridConfig.from_flat_arguments().sequence_parallelism is None
+    split_gather = HybridConfig.from_flat_arguments(tp_size=2, sequence_parallel="split_gather")
+    assert split_gather.sequence_parallelism == SplitGather()
+    assert split_gather.sp_size == 1
+
+
+def test_hybrid_config_holds_a_whole_zero_config():
+    """zero_stage > 0 builds a ZeroConfig from the flat arguments, the further ZeRO settings included; zero_stage=0
+    averages gradients and refuses ZeRO settings that are not at their defaults."""
+    zero = HybridConfig.from_flat_arguments(zero_stage=1, bucket_size_mb=4.0, communication="all_reduce")
+    assert zero.data_parallel == ZeroConfig(stage=1, bucket_size_mb=4.0, communication="all_reduce")
+    assert zero.zero_stage == 1
+    averaging = HybridConfig.from_flat_arguments(bucket_size_mb=4.0)
+    assert averaging.data_parallel == GradientAveraging(bucket_size_mb=4.0)
+    assert averaging.zero_stage == 0
+    assert HybridConfig.from_flat_arguments(communication="auto").data_parallel == GradientAveraging()
+    with pytest.raises(ValueError, match="configures ZeRO, but zero_stage=0: set zero_stage=1"):
+        HybridConfig.from_flat_arguments(communication="all_reduce")
+    with pytest.raises(ValueError, match="communication='gather'"):
+        HybridConfig.from_flat_arguments(zero_stage=1, communication="gather")
+    with pytest.raises(TypeError, match="zero_stage"):
+        HybridConfig.from_flat_arguments(stage=1)
+    with pytest.raises(TypeError, match="not a setting"):
+        HybridConfig.from_flat_arguments(zero_stage=1, overlap=False)
 
 
 def test_hybrid_config_sizes_of_valid_settings():
@@ -249,8 +295,8 @@ def test_hybrid_config_sizes_of_valid_settings():
     assert (HybridConfig().model_parallel_size, HybridConfig().num_stages) == (1, 1)
     # pp_size=1 has no pipeline part; its micro-batch settings are ignored, as before the pipeline had its own type.
     assert HybridConfig.from_flat_arguments(tp_size=2, num_microbatches=4).pipeline is None
-    nested = HybridConfig(pp_size=2, pipeline=PipelineConfig(pp_schedule="zbv", num_model_chunks=2, microbatch_size=1))
-    assert nested.num_stages == 4
+    nested = HybridConfig(pipeline=PipelineConfig(pp_size=2, pp_schedule="zbv", num_model_chunks=2, microbatch_size=1))
+    assert (nested.pp_size, nested.num_stages) == (2, 4)
 
 
 def test_parallel_dims_need_sizes_that_divide_the_world():
@@ -273,6 +319,9 @@ def test_strategy_validates_its_arguments_at_construction():
     assert strategy.hybrid_config.pipeline.layers_per_stage == (3, 5)
     assert strategy.hybrid_config.model_parallel_size == 4
     assert strategy.pipelined
+    # The ZeRO arguments reach the one ZeroConfig the engine is given.
+    zero = HybridParallelStrategy(zero_stage=1, bucket_size_mb=2.0, communication="all_reduce")
+    assert zero.hybrid_config.data_parallel == ZeroConfig(stage=1, bucket_size_mb=2.0, communication="all_reduce")
 
 
 def test_strategy_names_are_registered():

@@ -14,7 +14,7 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch.strategies import Strategy
 
 import lightning_colossal as lc
-from lightning_colossal.config import FSDPConfig
+from lightning_colossal.config import AllToAll, FSDPConfig, GradientAveraging, PipelineConfig
 from lightning_colossal.strategies.docstrings import constructor_arguments
 
 STRATEGIES = [
@@ -36,6 +36,9 @@ DOCUMENTED = [
     lc.ZeroConfig,
     lc.GeminiConfig,
     lc.HybridConfig,
+    PipelineConfig,
+    GradientAveraging,
+    AllToAll,
     FSDPConfig,
     lc.StaticPlacement,
     lc.AutoPlacement,
@@ -109,3 +112,25 @@ def test_a_config_sets_base_and_own_arguments():
     assert strategy._timeout == timedelta(minutes=5)
     assert strategy.heartbeat_timeout is None
     assert strategy._start_method == "fork"
+
+
+def test_a_config_sets_the_hybrid_zero_arguments():
+    """The flat `zero_stage` / `bucket_size_mb` (and ZeRO's `communication`) of a LightningCLI YAML reach the one
+    ZeroConfig that `colossal_hybrid` hands its ZeRO engine."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=Strategy)
+    config = parser.parse_object(
+        {
+            "strategy": {
+                "class_path": "lightning_colossal.HybridParallelStrategy",
+                "init_args": {"tp_size": 2, "zero_stage": 1, "bucket_size_mb": 4.0, "communication": "all_reduce"},
+            }
+        }
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    strategy = instantiate(config).strategy
+    assert isinstance(strategy, lc.HybridParallelStrategy)
+    assert strategy.hybrid_config.tp_size == 2
+    assert strategy.hybrid_config.data_parallel == lc.ZeroConfig(
+        stage=1, bucket_size_mb=4.0, communication="all_reduce"
+    )
