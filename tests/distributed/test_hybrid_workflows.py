@@ -378,6 +378,8 @@ def data_and_selection_body(strategy_kwargs: dict[str, Any], feature: str, direc
     settings.setdefault("callbacks", [record])
     trainer = quiet_trainer(strategy=HybridParallelStrategy(**strategy_kwargs), devices=2, **settings)
     trainer.fit(module, datamodule=TokenData())
+    # Only rank 0 deletes replaced checkpoints (file, then shards), with no barrier after: list once it is done.
+    trainer.strategy.barrier()
     return {
         "steps": trainer.global_step,
         "losses": module.step_losses,
