@@ -564,6 +564,7 @@ class HybridConfig:
         bucket_size_mb: float = 25.0,
         activation_checkpointing: bool = False,
         init_window_bytes: int = 2**30,
+        zero: ZeroConfig | None = None,
         **zero_options: Any,
     ) -> HybridConfig:
         """The config that one flat list of keyword arguments describes (how the strategy's constructor, and so
@@ -578,6 +579,10 @@ class HybridConfig:
             sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the
                 tensor-parallel group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for
                 none, which becomes ``"all_to_all"`` when ``sp_size > 1``.
+            zero: the whole ZeRO settings of the data-parallel axis, every ``ZeroConfig`` field (e.g.
+                ``ZeroConfig(stage=2, overlap_communication=False)``), instead of ``zero_stage``, ``bucket_size_mb``
+                and the ZeRO settings passed one by one, which then keep their defaults. A ZeRO option added to
+                ``ZeroConfig`` reaches the hybrid engine this way without a new argument here.
             zero_options: further ``ZeroConfig`` settings, for ``zero_stage`` 1 or 2 only.
         """
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("sp_size", sp_size)):
@@ -603,7 +608,9 @@ class HybridConfig:
             tp_size=tp_size,
             pipeline=pipeline,
             sequence_parallelism=_sequence_parallelism(sp_size, sequence_parallel),
-            data_parallel=_data_parallel(zero_stage, bucket_size_mb, zero_options),
+            data_parallel=_data_parallel(zero_stage, bucket_size_mb, zero_options)
+            if zero is None
+            else _whole_zero(zero, zero_stage, bucket_size_mb, zero_options),
             activation_checkpointing=activation_checkpointing,
             init_window_bytes=init_window_bytes,
         )
@@ -648,6 +655,22 @@ def _sequence_parallelism(sp_size: int, mode: SequenceParallelMode | None) -> Se
     if mode == "all_to_all" or sp_size > 1:
         return AllToAll(sp_size=sp_size)
     return None
+
+
+def _whole_zero(zero: ZeroConfig, zero_stage: int, bucket_size_mb: float, zero_options: dict[str, Any]) -> ZeroConfig:
+    """``zero=ZeroConfig(...)`` as the data-parallel setting, refused beside the same settings passed one by one."""
+    if not isinstance(zero, ZeroConfig):
+        raise TypeError(f"zero={zero!r}: pass a ZeroConfig, e.g. ZeroConfig(stage=1), or None.")
+    defaults = {field.name: field.default for field in fields(ZeroConfig)}
+    given = [f"zero_stage={zero_stage}"] if zero_stage != 0 else []
+    given += [f"bucket_size_mb={bucket_size_mb}"] if bucket_size_mb != defaults["bucket_size_mb"] else []
+    given += [f"{name}={value!r}" for name, value in zero_options.items() if value != defaults.get(name)]
+    if given:
+        raise ValueError(
+            f"zero={zero} and {', '.join(given)} both configure ZeRO: put every ZeRO setting into the ZeroConfig"
+            " (e.g. ZeroConfig(stage=1, bucket_size_mb=50)) and leave the flat arguments at their defaults."
+        )
+    return zero
 
 
 def _data_parallel(

@@ -27,7 +27,7 @@ from lightning_colossal.config import (
     ZeroConfig,
 )
 from lightning_colossal.distributed import ParallelDims
-from lightning_colossal.distributed.running_statistics import modules_with_running_statistics
+from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.parallel import (
     GradientStash,
     HybridEngine,
@@ -87,6 +87,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         init_window_bytes: int = 2**30,
         policy: ModelPolicy | dict[str, str] | None = None,
         communication: Communication = "auto",
+        zero: ZeroConfig | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -108,6 +109,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             bucket_size_mb=bucket_size_mb,
             init_window_bytes=init_window_bytes,
             communication=communication,
+            zero=zero,
         )
         self.policy = policy
         self.engine: HybridEngine | None = None
@@ -266,7 +268,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             for parameter in module.parameters():
                 parameter.grad = None
         # The schedule takes the place of the base's `training_step`, and so of its copy of the first replica's
-        # running statistics (distributed/running_statistics.py [Note: running statistics follow the first replica]).
+        # running statistics (engine_parts/running_statistics.py [Note: running statistics follow the first replica]).
         self._follow_first_replica_statistics()
         # Lightning divides the loss by accumulate_grad_batches before its backward; the schedule's backward runs
         # here, so the division (and fp16 loss scaling) goes into each micro-batch loss instead.

@@ -79,6 +79,19 @@ def test_zero_settings_reach_the_zero_engine_under_hybrid(rank_pool_2):
     _assert_matches(results, bodies.oracle(2, STEPS))
 
 
+def test_a_whole_zero_config_reaches_the_zero_engine_under_hybrid(rank_pool_2):
+    """`zero=ZeroConfig(...)` hands every ZeRO setting to the hybrid run's ZeRO engine, also ones the strategy has no
+    flat argument for (here stage 2 with its gradients and optimizer state offloaded to the host): it is the object
+    the engine runs with, and training matches the oracle."""
+    from lightning_colossal import ZeroConfig
+
+    zero = ZeroConfig(stage=2, cpu_offload=True, overlap_communication=False, bucket_size_mb=0.01)
+    results = rank_pool_2.run(zero_part_body, {"zero": zero}, timeout=300)
+    for result in results:
+        assert result["the_strategys_config"] and result["config"] == zero
+    _assert_matches(results, bodies.oracle(2, STEPS))
+
+
 CASES_4 = {
     "tp2_dp2": ({"tp_size": 2}, 2),
     "tp2_dp2_zero2": ({"tp_size": 2, "zero_stage": 2}, 2),

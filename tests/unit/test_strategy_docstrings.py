@@ -134,3 +134,29 @@ def test_a_config_sets_the_hybrid_zero_arguments():
     assert strategy.hybrid_config.data_parallel == lc.ZeroConfig(
         stage=1, bucket_size_mb=4.0, communication="all_reduce"
     )
+
+
+def test_a_config_sets_the_hybrid_zero_settings_as_one_zero_config():
+    """`zero: {stage: ..., <any ZeroConfig field>}` in a LightningCLI YAML becomes the ZeroConfig the hybrid engine
+    runs with: a ZeRO option added to ZeroConfig reaches colossal_hybrid without a new argument of its own."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=Strategy)
+    config = parser.parse_object(
+        {
+            "strategy": {
+                "class_path": "lightning_colossal.HybridParallelStrategy",
+                "init_args": {"tp_size": 2, "zero": {"stage": 2, "overlap_communication": False}},
+            }
+        }
+    )
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    strategy = instantiate(config).strategy
+    assert strategy.hybrid_config.data_parallel == lc.ZeroConfig(stage=2, overlap_communication=False)
+    assert strategy.hybrid_config.zero_stage == 2
+
+
+def test_hybrid_refuses_zero_settings_given_twice():
+    with pytest.raises(ValueError, match="both configure ZeRO"):
+        lc.HybridParallelStrategy(zero=lc.ZeroConfig(stage=1), bucket_size_mb=50.0)
+    with pytest.raises(TypeError, match="pass a ZeroConfig"):
+        lc.HybridParallelStrategy(zero={"stage": 1})
