@@ -34,7 +34,6 @@ import os
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +49,7 @@ from benchmarks.communication.counting import (
     point_to_point_kind,
     wire_bytes,
 )
+from benchmarks.harness.call_sites import call_site, repository_path
 from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks
 from benchmarks.harness.machine import cpu_description, git_revision, software_versions
 
@@ -102,6 +102,8 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, Any], str]] = {
 # ---------------------------------------------------------------------------------------------------------------
 # Orchestrator
 # ---------------------------------------------------------------------------------------------------------------
+
+_THIS_MODULE = repository_path(__file__)  # its dispatch mode's frames are plumbing too
 
 
 def parse_arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -417,33 +419,6 @@ def primitives_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     return {"rank": rank, "rows": rows}
 
 
-# Frames that only carry a collective to the dispatcher; a record's site is the innermost frame outside them.
-_PLUMBING = (
-    "benchmarks/communication.py",
-    "torch/distributed/distributed_c10d.py",
-    "torch/distributed/c10d_logger.py",
-    "torch/distributed/_functional_collectives",
-    "torch/distributed/tensor/_collective_utils.py",
-    "torch/utils/_python_dispatch.py",
-    "torch/_ops.py",
-    "torch/_compile.py",
-    "torch/_dynamo/",
-    "typing_extensions.py",  # torch's @deprecated wrapper around all_gather_into_tensor and reduce_scatter_tensor
-    "lightning_colossal/distributed/collectives.py",
-)
-
-
-def _call_site() -> str:
-    """``file:function`` of the innermost Python frame that is not plumbing. A collective issued from C++ inside the
-    autograd engine (DDP's reducer) has only the frame that started backward above it."""
-    for frame in reversed(traceback.extract_stack()):
-        filename = frame.filename.replace(os.sep, "/")
-        if not any(part in filename for part in _PLUMBING):
-            short = filename.split("/site-packages/")[-1].split("/work/main/")[-1]
-            return f"{short}:{frame.name}"
-    return "unknown"
-
-
 def _flatten(value: Any) -> list[Any]:
     import torch
 
@@ -516,7 +491,7 @@ def _record_collective(
     named = _bind(func, args, kwargs)
     group_size, group_rank = _group(named)
     phase = "backward" if torch._C._current_autograd_node() is not None else phase
-    site = _call_site()
+    site = call_site(_THIS_MODULE)
     payload = _flatten(named[rule.payload])
     if rule.operations is not None:
         # A batch of sends and receives: one record per tensor.

@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import time
-import traceback
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from datetime import timedelta
@@ -36,6 +35,7 @@ from torch.distributed.pipelining import schedules, stage
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
+from benchmarks.harness.call_sites import call_site, repository_path
 from benchmarks.harness.machine import read_cpu_times
 from benchmarks.harness.workload import BenchmarkModule, build_strategy, train_on_cpu
 from lightning_colossal.config import HybridConfig
@@ -71,6 +71,8 @@ _COLLECTIVES: dict[str, tuple[str, str]] = {
     "_c10d_functional.all_to_all_single": ("all_to_all", "input"),
     "_c10d_functional.broadcast": ("broadcast", "input"),
 }
+
+_THIS_MODULE = repository_path(__file__)  # its dispatch mode's frames are plumbing too
 
 
 def _tensors(value: Any) -> list[Tensor]:
@@ -119,35 +121,10 @@ class CollectiveCounter(TorchDispatchMode):
                     "dtype": str(payload[0].dtype) if payload else "",
                     "group_size": group_size,
                     "payload_bytes": payload_bytes,
-                    "site": _call_site(),
+                    "site": call_site(_THIS_MODULE),
                 }
             )
         return output
-
-
-# Frames that only carry a collective to the dispatcher; the site reported is the first frame outside them.
-_PLUMBING = (
-    "benchmarks/hybrid_ranks.py",
-    "torch/distributed/distributed_c10d.py",
-    "torch/distributed/c10d_logger.py",
-    "torch/distributed/_functional_collectives",
-    "torch/distributed/tensor/_collective_utils.py",
-    "torch/utils/_python_dispatch.py",
-    "torch/_ops.py",
-    "torch/_dynamo/",
-    "torch/_compile.py",
-    "lightning_colossal/distributed/collectives.py",
-)
-
-
-def _call_site() -> str:
-    """Where a collective comes from: ``file:function`` of the innermost frame that is not plumbing."""
-    for frame in reversed(traceback.extract_stack()):
-        filename = frame.filename.replace(os.sep, "/")
-        if not any(part in filename for part in _PLUMBING):
-            short = filename.split("/site-packages/")[-1].split("/work/main/")[-1]
-            return f"{short}:{frame.name}"
-    return "unknown"
 
 
 def _payload_tensors(name: str, args: Any, output: Any, side: str) -> list[Tensor]:
