@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelSummary
 from torch.utils.data import DataLoader
 
-from lightning_colossal import HybridParallelStrategy
+from lightning_colossal import HybridParallelStrategy, StaticPlacement
 from tests.distributed import hybrid_bodies
 from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec, build_strategy
 from tests.distributed.oracle import RegressionModule, float_state, make_dataset, new_module, quiet_trainer
@@ -153,16 +153,25 @@ def resume_after_evaluation_body(spec: StrategySpec, directory: str, precision: 
     return failures
 
 
+# The offloaded variants keep the fit's masters and optimizer state in host memory.
+OFFLOADED: dict[str, StrategySpec] = {
+    "zero2_offload": ("zero", {"stage": 2, "cpu_offload": True}),
+    "gemini_offload": (
+        "gemini",
+        {"chunk_numel": 1100, "placement": StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)},
+    ),
+}
+
+
 @pytest.mark.parametrize(
     ("strategy_name", "precision"),
-    [(name, "32-true") for name in EVERY_STRATEGY] + [("zero2", "bf16-true"), ("gemini", "bf16-true")],
+    [(name, "32-true") for name in [*EVERY_STRATEGY, *OFFLOADED]] + [("zero2", "bf16-true"), ("gemini", "bf16-true")],
 )
 def test_checkpoint_saved_after_evaluation_resumes_like_the_one_saved_after_fit(
     rank_pool_2, tmp_path, strategy_name, precision
 ):
-    failures = rank_pool_2.run(
-        resume_after_evaluation_body, EVERY_STRATEGY[strategy_name], str(tmp_path), precision, timeout=300
-    )
+    spec = {**EVERY_STRATEGY, **OFFLOADED}[strategy_name]
+    failures = rank_pool_2.run(resume_after_evaluation_body, spec, str(tmp_path), precision, timeout=300)
     assert failures == [[], []]
 
 
