@@ -3,7 +3,7 @@
 Lightning's ``ddp`` adds an L2 penalty over every parameter, computed before or after the step's forward, without
 ceremony. The sharding strategies hold shards between forwards (Gemini: empty placeholders; FSDP and tensor
 parallelism: DTensor shards), so the term is computed inside ``trainer.strategy.whole_parameters()``
-(``distributed/whole_parameters.py`` [Note: reading sharded parameters outside a forward]); without it they fail at
+(``engine_parts/whole_parameters.py`` [Note: reading sharded parameters outside a forward]); without it they fail at
 once with an error naming it. Weights after several SGD steps are compared with ``colossal_ddp``'s, which equals
 Lightning's ``ddp``.
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_colossal import HybridParallelStrategy
+from lightning_colossal import AutoPlacement, HybridParallelStrategy, StaticPlacement
 from tests.distributed.checkpoint_bodies import DDP, FSDP, ZERO1, ZERO2, StrategySpec, build_strategy
 from tests.distributed.oracle import FEATURES, RegressionModule, float_state, new_module, quiet_trainer
 
@@ -97,6 +97,11 @@ STRATEGIES: dict[str, StrategySpec] = {
     "zero1": ZERO1,
     "zero2": ZERO2,
     "gemini": ("gemini", {"chunk_numel": 2200}),  # two chunks
+    "gemini_offload": (
+        "gemini",
+        {"chunk_numel": 2200, "placement": StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)},
+    ),
+    "gemini_auto": ("gemini", {"chunk_numel": 2200, "placement": AutoPlacement()}),
     "fsdp": FSDP,
     "hybrid_dp2": ("hybrid", {"zero_stage": 1}),
 }
