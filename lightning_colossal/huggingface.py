@@ -3,7 +3,7 @@
 ``AutoModelForCausalLM.from_pretrained(directory)`` in ``configure_model`` works under every strategy, but every rank
 reads and holds the whole model. ``pretrained_on_meta`` builds the same model from its configuration on the meta
 device (shapes only) and records where each tensor's values are in the directory's safetensors files; nothing is
-read yet. The strategy's engine then reads what each rank keeps (``distributed/pretrained.py`` [Note: pretrained
+read yet. The strategy's engine then reads what each rank keeps (``engine_parts/pretrained.py`` [Note: pretrained
 weights on the meta device]): its rows of each chunk (Gemini), its shard (FSDP), its tensor-parallel pieces
 (hybrid), or the whole model (colossal_ddp, ZeRO, which hold it whole on every rank)::
 
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.pretrained import PretrainedWeights, record_pretrained
+from lightning_colossal.engine_parts.pretrained import PretrainedWeights, record_pretrained
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -56,9 +56,10 @@ from lightning_colossal.config import (
     validate_nonfinite_action,
     validate_precision,
 )
-from lightning_colossal.distributed import collectives, sharded_state
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.engine_parts import sharded_state
 
 
 class DynamicLossScaler:

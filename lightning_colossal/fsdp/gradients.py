@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_colossal.distributed import collectives
-from lightning_colossal.distributed.autograd_graph import leaves_reached_from
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.engine_parts.autograd_graph import leaves_reached_from
 from lightning_colossal.fsdp.wrap import parameter_groups
 
 

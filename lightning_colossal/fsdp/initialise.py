@@ -4,13 +4,13 @@
 Running the model's initialiser on FSDP2's DTensor shards draws every rank's shard from the random stream as if it
 were the whole tensor: on a CPU mesh every rank fills its rows from the same state (duplicated rows across ranks),
 and on any mesh the values differ from an eager build of the same seed. Instead, a storage-free copy of the
-unsharded model is taken *before* sharding, and the shared windowed initialisation (``distributed/meta_init.py``)
+unsharded model is taken *before* sharding, and the shared windowed initialisation (``engine_parts/meta_init.py``)
 runs the model's own initialiser on it, window by window, handing each tensor's whole value to this rank, which
 keeps its shard. Every rank starts from rank 0's random state, so the shards fit together into exactly the model
 an eager build of the same seed gives (for models whose constructors draw nothing themselves, as there). Peak
 memory is one window, not the model.
 
-A model carrying pretrained weights (``distributed/pretrained.py`` [Note: pretrained weights on the meta device])
+A model carrying pretrained weights (``engine_parts/pretrained.py`` [Note: pretrained weights on the meta device])
 reads each rank's shard straight from its safetensors files instead: the local rows (or columns) of every ``Shard``
 placement, computed the way DTensor splits (``torch.chunk``), so no rank reads another rank's rows.
 """
@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lightning_colossal.distributed.meta_init import initialise_in_windows, start_from_rank_zero_random_state
-from lightning_colossal.distributed.pretrained import (
+from lightning_colossal.engine_parts.meta_init import initialise_in_windows, start_from_rank_zero_random_state
+from lightning_colossal.engine_parts.pretrained import (
     Piece,
     Sliceable,
     copy_into,

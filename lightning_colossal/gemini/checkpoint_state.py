@@ -2,7 +2,7 @@
 
 Every chunked parameter is saved as its fp32 master rows (never the rounded working weights), under each of its
 names (tied parameters have several), as a dim-0 ``DTensor`` ([Note: sharding along dim 0] in
-``distributed/rows.py``), so the checkpoint is interchangeable with ZeRO's and DDP's.
+``engine_parts/rows.py``), so the checkpoint is interchangeable with ZeRO's and DDP's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_colossal.distributed import sharded_state
+from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.gemini.manager import ChunkManager
 
 

@@ -26,10 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
-from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.distributed.meta_init import has_meta_tensors
-from lightning_colossal.distributed.sharded_state import ShardedMaster
+from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
+from lightning_colossal.engine_parts.meta_init import has_meta_tensors
+from lightning_colossal.engine_parts.sharded_state import ShardedMaster
 from lightning_colossal.gemini import checkpoint_state
 from lightning_colossal.gemini.chunk import Chunk, Location
 from lightning_colossal.gemini.eviction import Evictor, compute_budget

@@ -58,7 +58,7 @@ backward is not bracketed (``_inside_backward``): backward ends with its own ``f
 Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
 keeps ZeRO-3 memory and fp32 sums (ColossalAI's Gemini has no accumulation, or halves precision for it).
 
-Parameters no rank produced a gradient for are not stepped: ``distributed/sharded_state.py`` [Note: gradients nobody
+Parameters no rank produced a gradient for are not stepped: ``engine_parts/sharded_state.py`` [Note: gradients nobody
 produced].
 
 [Note: activation checkpointing]
@@ -68,7 +68,7 @@ for the backward that follows (AWAITING_GRADIENTS, as ``_before_backward`` does)
 non-reentrant recomputation stops as soon as it has the tensors it needed, without the forward hook that would undo
 the count. A reentrant checkpoint also runs a backward of its own inside ours, so the end of backward is queued from
 the loss's node (``_queue_end_of_backward_from``), and the parameters inside are read from the checkpoint's function
-(``distributed/autograd_graph.py``).
+(``engine_parts/autograd_graph.py``).
 
 [Note: frozen chunks in backward]
 A frozen chunk (layout.py [Note: frozen chunks]) is needed in backward only for the input gradients of the modules
@@ -90,9 +90,10 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from lightning_colossal.distributed import collectives, sharded_state
-from lightning_colossal.distributed.autograd_graph import leaves_reached_from
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.engine_parts.autograd_graph import leaves_reached_from
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.eviction import Evictor
 from lightning_colossal.gemini.manager import ChunkManager, describe_chunk
@@ -316,7 +317,7 @@ class ChunkHooks:
 
     def gather_every_chunk(self) -> None:
         """Gather every chunk this rank does not hold, in one round with every rank (a collective), so that every
-        parameter reads whole outside a forward (distributed/whole_parameters.py [Note: reading sharded parameters
+        parameter reads whole outside a forward (engine_parts/whole_parameters.py [Note: reading sharded parameters
         outside a forward]).
 
         Nothing holds them: the next forward releases the ones it does not need, as after any forward. A term computed

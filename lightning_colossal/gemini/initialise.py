@@ -14,7 +14,7 @@ The cost is one initialiser run per window (``GeminiConfig.init_window_bytes`` t
 An initialiser must only *write* parameters (as ``nn.init`` does); one that reads another parameter's values would
 read scratch.
 
-A model carrying pretrained weights (``distributed/pretrained.py`` [Note: pretrained weights on the meta device])
+A model carrying pretrained weights (``engine_parts/pretrained.py`` [Note: pretrained weights on the meta device])
 takes its values from its safetensors files instead: each rank reads only its rows of each chunk member, and the
 whole of the few tensors kept outside chunks (buffers, replicated parameters).
 """
@@ -26,14 +26,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.meta_init import (
+from lightning_colossal.engine_parts.meta_init import (
     InitialiserReplay,
     Scratch,
     materialise_in_place,
     placeholder_in_place,
     plan_windows,
 )
-from lightning_colossal.distributed.pretrained import (
+from lightning_colossal.engine_parts.pretrained import (
     Piece,
     Sliceable,
     copy_into,
@@ -43,7 +43,7 @@ from lightning_colossal.distributed.pretrained import (
     storage_free_copy,
     whole,
 )
-from lightning_colossal.distributed.rows import ShardSpec
+from lightning_colossal.engine_parts.rows import ShardSpec
 from lightning_colossal.gemini.chunk import Chunk
 from lightning_colossal.gemini.layout import ChunkMember
 from lightning_colossal.gemini.manager import ChunkManager

@@ -6,7 +6,7 @@ ones the optimizer holds first, then the frozen ones in chunks of their own ([No
 A chunk is gathered and released as a whole: one collective moves many parameters. Each gather allocates a fresh
 buffer holding exactly the chunk's members (``ChunkSpec.numel``, at most the capacity) and the release drops it;
 there is no buffer pool (``manager.py``). Inside a chunk each parameter is sharded along dim 0 like ZeRO does
-([Note: sharding along dim 0] in ``distributed/rows``): rank r keeps its rows of every member, back to back, as its
+([Note: sharding along dim 0] in ``engine_parts/rows``): rank r keeps its rows of every member, back to back, as its
 *shard* of the chunk. That is what makes Gemini's optimizer state and checkpoints rectangular per parameter and
 interchangeable with ZeRO's and DDP's.
 
@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_colossal.distributed.rows import ShardSpec, shard_spec
+from lightning_colossal.engine_parts.rows import ShardSpec, shard_spec
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
-from lightning_colossal.distributed.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
+from lightning_colossal.engine_parts.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.layout import ChunkMember, ChunkSpec
 from lightning_colossal.gemini.placement import PlacementPlan

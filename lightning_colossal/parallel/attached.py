@@ -12,9 +12,9 @@ parameter name stays the model's, and ``AttachedTechniques.remove()`` gives back
 One consequence shapes the hooks: the composable checkpoint recomputes a layer in backward by calling the layer
 again, with the arguments its own pre-hook received, so every other forward pre-hook on that layer runs a second
 time, and one attached before the checkpoint sees the arguments it already transformed. A pre-hook on a layer that
-may be checkpointed must therefore leave such arguments alone (``huggingface.py``'s split of the sequence before
-the first decoder layer). Hooks on modules inside the layer (the attention's gathers, Ulysses' exchanges) run again
-during the recomputation as they should, as the layer's first forward ran them.
+may be checkpointed must therefore leave such arguments alone (``huggingface/decoders.py``'s split of the sequence
+before the first decoder layer). Hooks on modules inside the layer (the attention's gathers, Ulysses' exchanges) run
+again during the recomputation as they should, as the layer's first forward ran them.
 """
 
 from __future__ import annotations

@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from lightning_colossal.distributed import collectives, sharded_state
-from lightning_colossal.distributed.rows import ShardSpec
-from lightning_colossal.distributed.sharded_state import ShardedMaster
+from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.engine_parts.rows import ShardSpec
+from lightning_colossal.engine_parts.sharded_state import ShardedMaster
 from lightning_colossal.parallel.groups import HybridGroups
 from lightning_colossal.parallel.names import ParameterNames, key_of
 from lightning_colossal.parallel.policy import ParallelPlan

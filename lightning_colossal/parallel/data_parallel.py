@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_colossal.config import GradientAveraging
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.distributed.staging import copy_out_of_flat
+from lightning_colossal.engine_parts.staging import copy_out_of_flat
 from lightning_colossal.parallel.checkpoint_view import CheckpointView
 from lightning_colossal.parallel.tensor_parallel import local_view
 from lightning_colossal.zero import ReducedGradient

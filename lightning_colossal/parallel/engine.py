@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import HybridConfig, SplitGather, ZeroConfig
-from lightning_colossal.distributed import collectives, sharded_state
-from lightning_colossal.distributed.meta_init import has_meta_tensors
+from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.parallel.checkpoint_view import CheckpointView
 from lightning_colossal.parallel.data_parallel import GradientAverager
 from lightning_colossal.parallel.groups import HybridGroups

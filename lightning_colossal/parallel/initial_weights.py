@@ -5,9 +5,9 @@ model's own initialiser (a model built on the meta device).
 A model built on the meta device (``Trainer.init_module(empty_init=True)``, or ``torch.device("meta")`` in
 ``configure_model``) is split and cut while it still has no storage, so each rank only ever materialises the
 tensor-parallel pieces of the stages it runs. Their values come from the model's own initialiser, run over a
-storage-free copy of the unsplit model in windows (``distributed/meta_init.py``): exactly the pieces of what that
+storage-free copy of the unsplit model in windows (``engine_parts/meta_init.py``): exactly the pieces of what that
 initialiser gives the whole model from the same seed, whatever the layout. A model carrying pretrained weights
-(``distributed/pretrained.py`` [Note: pretrained weights on the meta device]) reads each piece straight from its
+(``engine_parts/pretrained.py`` [Note: pretrained weights on the meta device]) reads each piece straight from its
 safetensors files instead: the blocks of the split dimension this tensor-parallel rank holds, nothing else.
 """
 
@@ -21,12 +21,12 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.distributed import collectives
-from lightning_colossal.distributed.meta_init import (
+from lightning_colossal.engine_parts.meta_init import (
     initialise_in_windows,
     materialise_in_place,
     start_from_rank_zero_random_state,
 )
-from lightning_colossal.distributed.pretrained import (
+from lightning_colossal.engine_parts.pretrained import (
     Piece,
     Sliceable,
     copy_into,

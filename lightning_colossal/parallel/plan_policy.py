@@ -7,7 +7,7 @@ component (a layer index). Two more styles split nothing but say how a whole mod
 [Note: replicated parameters in tensor-parallel regions] in ``policy.py``): ``"replicated_with_grad_allreduce"``
 (applied to this rank's slice of split features, like Qwen3's per-head ``q_norm``: gradients summed over the
 tensor-parallel ranks) and ``"replicate"`` (sees the whole input: nothing to do). Built-in family plans
-(``huggingface_families.py``) add ``FusedColumns`` (a fused projection split block by block) and ``"colwise"`` on an
+(``huggingface/families.py``) add ``FusedColumns`` (a fused projection split block by block) and ``"colwise"`` on an
 ``nn.Embedding`` (its embedding dimension split: T5's per-head position bias). Other styles (e.g. Hugging Face's
 ``colwise_gather_output``, whose outputs are gathered) are left unsplit with a warning: a whole layer on whole
 inputs stays correct, only less of the model is sharded; one left whole inside a tensor-parallel region is refused.

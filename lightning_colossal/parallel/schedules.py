@@ -23,7 +23,7 @@ from torch.distributed.pipelining import (
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.distributed.running_statistics import running_statistics_kept
+from lightning_colossal.engine_parts.running_statistics import running_statistics_kept
 
 
 class _Stage(PipelineStage):
@@ -42,7 +42,7 @@ class _Stage(PipelineStage):
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # Before a schedule's first step torch runs the stage's forward once, here, to learn its output shapes (in
         # `_forward_metadata_inference` in torch 2.13, `_shape_inference` in older versions, both called from this
-        # method): distributed/running_statistics.py [Note: a trial forward leaves no statistics].
+        # method): engine_parts/running_statistics.py [Note: a trial forward leaves no statistics].
         with running_statistics_kept(self.submod):
             return super()._prepare_forward_infra(*args, **kwargs)
 

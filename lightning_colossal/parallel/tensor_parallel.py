@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_colossal.distributed import collectives, differentiable
-from lightning_colossal.distributed.sharded_state import piece_of_whole
+from lightning_colossal.engine_parts.sharded_state import piece_of_whole
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ These are the engines' own rules, not textbook ZeRO figures, and they are exact:
 test_plan_against_engines.py`` checks them to the byte against what ``MemoryMonitor`` measures on live engines.
 
 - Rows: every sharded engine splits each parameter along dim 0 with ``torch.chunk`` semantics (``shard_spec`` in
-  ``lightning_colossal/distributed/rows.py``: ceil-sized pieces, the last ranks short or empty), so a rank's "own
+  ``lightning_colossal/engine_parts/rows.py``: ceil-sized pieces, the last ranks short or empty), so a rank's "own
   rows" are computed with the engines' own function and uneven splits come out exact. Rank 0 always holds the most.
 - Dtypes (``lightning_colossal/precision.py``): ``32-true``, ``bf16-mixed`` and ``16-mixed`` keep fp32 parameters
   (mixed precision is autocast); ``bf16-true`` keeps bf16 parameters. ZeRO and Gemini step fp32 masters; an fp32
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_colossal.distributed.rows import shard_spec
+from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.planning.settings import Setting
 
 __all__ = [

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_colossal.distributed.rows import shard_spec
+from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.planning.chunks import chunk_layout
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import FP32, Placed, Training

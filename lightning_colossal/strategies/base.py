@@ -43,9 +43,9 @@ from lightning_colossal.config import (
     validate_nonfinite_action,
     validate_start_method,
 )
-from lightning_colossal.distributed.meta_init import has_meta_tensors
-from lightning_colossal.distributed.pretrained import has_pretrained_weights, materialise_whole
-from lightning_colossal.distributed.running_statistics import follow_first_replica, modules_with_running_statistics
+from lightning_colossal.engine_parts.meta_init import has_meta_tensors
+from lightning_colossal.engine_parts.pretrained import has_pretrained_weights, materialise_whole
+from lightning_colossal.engine_parts.running_statistics import follow_first_replica, modules_with_running_statistics
 from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
 from lightning_colossal.strategies.callback_refusals import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
@@ -90,7 +90,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
     #: never moved whole to the device.
     materialises_meta_models: ClassVar[bool] = False
     #: The mode's own wrapper copies rank 0's buffers before each forward (torch DDP); the others follow
-    #: [Note: running statistics follow the first replica] in ``distributed/running_statistics.py``.
+    #: [Note: running statistics follow the first replica] in ``engine_parts/running_statistics.py``.
     wrapper_syncs_buffers: ClassVar[bool] = False
     _running_statistics: Sequence[torch.nn.Module] = ()  # set by ``_prepare_module``
     #: Classes (or functions) describing constructor arguments the strategy forwards (a config); with this base's own
@@ -228,7 +228,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         return super().validation_step(*args, **kwargs)
 
     def _follow_first_replica_statistics(self) -> None:
-        """distributed/running_statistics.py [Note: running statistics follow the first replica]."""
+        """engine_parts/running_statistics.py [Note: running statistics follow the first replica]."""
         if self._running_statistics:
             # The mesh's dp axis: the ranks holding the same pieces (the same pipeline stage, the same tensor shard).
             follow_first_replica(self._running_statistics, self.device_mesh["dp"].get_group())
@@ -289,7 +289,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         parameters are whole there. Under FSDP and tensor parallelism parameters are DTensor shards outside a forward,
         and inside the context each reads as its whole tensor; under Gemini every chunk is gathered. The gathered
         values stay alive until backward, held by the term's autograd graph: a term over every parameter costs the
-        whole model's bytes until then (``distributed/whole_parameters.py`` [Note: reading sharded parameters outside
+        whole model's bytes until then (``engine_parts/whole_parameters.py`` [Note: reading sharded parameters outside
         a forward]).
         """
         yield

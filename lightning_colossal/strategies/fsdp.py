@@ -35,8 +35,8 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import FSDPConfig
 from lightning_colossal.distributed.mesh import named_device_mesh
-from lightning_colossal.distributed.meta_init import has_meta_tensors
-from lightning_colossal.distributed.whole_parameters import whole_dtensor_parameters
+from lightning_colossal.engine_parts.meta_init import has_meta_tensors
+from lightning_colossal.engine_parts.whole_parameters import whole_dtensor_parameters
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
     detect_block_classes,

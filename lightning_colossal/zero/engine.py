@@ -1,7 +1,7 @@
 """ZeRO-1/2: optimizer state (and, for stage 2, gradients) sharded over data-parallel ranks. No Lightning here.
 
 The user's optimizer is kept (so LR schedulers and ``param_groups`` edits keep working) but its parameter lists are
-replaced by *masters*: this rank's rows of each parameter (``distributed/rows.py`` [Note: sharding along dim 0]). An fp32
+replaced by *masters*: this rank's rows of each parameter (``engine_parts/rows.py`` [Note: sharding along dim 0]). An fp32
 parameter that is not offloaded is its own master (a view, no copy). Low-precision parameters and CPU offload get
 fp32 masters in one flat buffer on the offload device. After each optimizer step the updated rows are written back
 and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
@@ -35,12 +35,13 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig
-from lightning_colossal.distributed import collectives, optimizer_takeover, sharded_state
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.distributed.rows import shard_spec
-from lightning_colossal.distributed.sharded_state import ShardedMaster
-from lightning_colossal.distributed.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
+from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
+from lightning_colossal.engine_parts.rows import shard_spec
+from lightning_colossal.engine_parts.sharded_state import ShardedMaster
+from lightning_colossal.engine_parts.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
 from lightning_colossal.zero.stages import Stage1Reducer, Stage2Reducer
 

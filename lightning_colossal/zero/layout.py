@@ -1,6 +1,6 @@
 """How the ZeRO engine groups parameters into communication buckets (pure logic, no process group).
 
-Which rows of a parameter each rank owns is shared with Gemini and lives in ``lightning_colossal.distributed.rows``
+Which rows of a parameter each rank owns is shared with Gemini and lives in ``lightning_colossal.engine_parts.rows``
 ([Note: sharding along dim 0]).
 """
 

@@ -11,7 +11,7 @@ from a callback queued at the end of backward. A parameter that got no gradient 
 delays its bucket to that callback instead of hanging or mismatching: its slot holds zeros.
 
 Which parameters received a gradient on this rank since the last optimizer step is recorded in ``received`` (also
-inside ``no_sync``); the engine combines the records of all ranks (``distributed/sharded_state.py`` [Note:
+inside ``no_sync``); the engine combines the records of all ranks (``engine_parts/sharded_state.py`` [Note:
 gradients nobody produced]).
 """
 
@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
-from lightning_colossal.distributed.rows import ShardSpec
+from lightning_colossal.engine_parts.rows import ShardSpec
 from lightning_colossal.zero.layout import plan_buckets
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import RecordedWork
-from lightning_colossal.distributed.staging import rows_into_slots
+from lightning_colossal.engine_parts.staging import rows_into_slots
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
 
 MAX_STAGE2_BUCKETS_IN_FLIGHT = 2

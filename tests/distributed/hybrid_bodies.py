@@ -105,11 +105,11 @@ def meta_initialised_model(kind: str, **overrides: Any) -> torch.nn.Module:
     """The whole model a meta-device build gets from its own initialiser at MODEL_SEED, in one process.
 
     For the demo GPT this equals the eager build; Hugging Face constructors draw through the torch layers' own
-    initialisers before ``init_weights``, so their eager build differs (see ``distributed/meta_init.py``).
+    initialisers before ``init_weights``, so their eager build differs (see ``engine_parts/meta_init.py``).
     """
     import copy
 
-    from lightning_colossal.distributed.meta_init import initialise_in_windows
+    from lightning_colossal.engine_parts.meta_init import initialise_in_windows
 
     with torch.device("meta"):
         model = build_model(kind, **overrides)

@@ -4,7 +4,7 @@
 A checkpointed region runs its forward again inside backward. That broke Gemini (a chunk left counted as in use
 crashed the next step with an illegal state transition; a reentrant checkpoint's inner backward ended ours early and
 released chunks still needed), and under FSDP a reentrant region's parameters silently never trained: the graph the
-loss sees hides them, and FSDP's unused-gradient tracker removed their gradients (``distributed/autograd_graph.py``
+loss sees hides them, and FSDP's unused-gradient tracker removed their gradients (``engine_parts/autograd_graph.py``
 [Note: reentrant activation checkpoints hide their parameters]).
 
 Checkpointing does not change the arithmetic, so the oracle is the uncheckpointed model on the same global batch.

@@ -1,6 +1,6 @@
 """Buffers that differ between ranks (BatchNorm's running statistics, updated from each rank's own batches): every
 rank follows the first replica's before each step as under Lightning's ddp ([Note: running statistics follow the
-first replica] in ``distributed/running_statistics.py``), and they reach the checkpoint whole from the first replica,
+first replica] in ``engine_parts/running_statistics.py``), and they reach the checkpoint whole from the first replica,
 never one layer's mean from one rank and its variance from another ([Note: buffers in checkpoints] in
 ``strategies/checkpointing.py``)."""
 

@@ -1,4 +1,4 @@
-"""The built-in tensor-parallel family plans (``parallel/huggingface_families.py``) at tp2, one forward and backward.
+"""The built-in tensor-parallel family plans (``parallel/huggingface/families.py``) at tp2, one forward and backward.
 
 Each case splits a tiny Hugging Face model over 2 gloo ranks with the policy ``find_policy`` picks (no strategy, no
 optimizer) and compares the loss and every parameter's whole gradient (split ones gathered, partial ones summed as
@@ -123,7 +123,7 @@ def test_split_model_computes_the_whole_models_loss_and_gradients(rank_pool_2, c
 
 
 def test_bloom_slicing_its_own_output_weights_is_refused_with_the_fix():
-    from lightning_colossal.parallel.huggingface_families import FAMILY_PLANS
+    from lightning_colossal.parallel.huggingface import FAMILY_PLANS
 
     config = transformers.BloomConfig(n_head=4, hidden_size=32, pretraining_tp=2, slow_but_exact=True)
     with pytest.raises(ValueError, match="slow_but_exact=False"):

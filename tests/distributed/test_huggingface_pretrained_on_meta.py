@@ -91,7 +91,7 @@ def _fit(strategy_spec: tuple[str, dict[str, Any]], directory: str, eager: bool)
 
 def meta_and_eager_body(strategy_spec: tuple[str, dict[str, Any]], directory: str) -> dict[str, Any]:
     """The same two SGD steps from the meta-device build and from an eager `from_pretrained` build."""
-    from lightning_colossal.distributed.pretrained import READS
+    from lightning_colossal.engine_parts.pretrained import READS
 
     READS.reset()
     meta = _fit(strategy_spec, directory, eager=False)

@@ -1,6 +1,6 @@
 """BatchNorm running statistics under ``colossal_hybrid`` with pipeline stages (``pp_size > 1``): the data-parallel
 replicas of each stage follow the first replica's statistics before every training and fitting-validation step, as
-under Lightning's ddp ([Note: running statistics follow the first replica] in ``distributed/running_statistics.py``).
+under Lightning's ddp ([Note: running statistics follow the first replica] in ``engine_parts/running_statistics.py``).
 
 The reference is what one process computes on the same micro-batches in the same order (``expected_statistics``):
 each replica of the model runs its own micro-batches one after the other, as the schedule runs them through each

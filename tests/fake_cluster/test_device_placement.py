@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_colossal.config import GeminiConfig, StaticPlacement, ZeroConfig
 from lightning_colossal.demo.model import GPT, GPTConfig
 from lightning_colossal.distributed import collectives
-from lightning_colossal.distributed.meta_init import start_from_rank_zero_random_state
-from lightning_colossal.distributed.sharded_state import piece_of_whole
+from lightning_colossal.engine_parts.meta_init import start_from_rank_zero_random_state
+from lightning_colossal.engine_parts.sharded_state import piece_of_whole
 from lightning_colossal.gemini import GeminiEngine
 from lightning_colossal.precision import ColossalPrecision, LocalGradientClipper
 from lightning_colossal.zero import ZeroEngine

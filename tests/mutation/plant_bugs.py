@@ -103,7 +103,7 @@ BUGS = [
         "a zero-dimensional (replicated) parameter counted on every rank in the global gradient norm",
         (
             (
-                "lightning_colossal/distributed/sharded_state.py",
+                "lightning_colossal/engine_parts/sharded_state.py",
                 "entry.master.grad.numel() and (rank == 0 or not entry.spec.replicated)",
                 "entry.master.grad.numel()",
             ),
@@ -115,7 +115,7 @@ BUGS = [
         "clip coefficient not clamped at 1 (steps under the threshold are scaled up)",
         (
             (
-                "lightning_colossal/distributed/sharded_state.py",
+                "lightning_colossal/engine_parts/sharded_state.py",
                 "coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)",
                 "coefficient = max_norm / (norm + 1e-6)",
             ),

@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_colossal.distributed import collectives, optimizer_takeover
-from lightning_colossal.distributed.meta_init import plan_windows
-from lightning_colossal.distributed.rows import shard_spec
-from lightning_colossal.distributed.staging import (
+from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts import optimizer_takeover
+from lightning_colossal.engine_parts.meta_init import plan_windows
+from lightning_colossal.engine_parts.rows import shard_spec
+from lightning_colossal.engine_parts.staging import (
     copy_out_of_flat,
     own_rows_into_whole,
     rows_from_slots,

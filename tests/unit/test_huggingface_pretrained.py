@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.pretrained import READS, materialise_whole
+from lightning_colossal.engine_parts.pretrained import READS, materialise_whole
 from lightning_colossal.huggingface import pretrained_on_meta
 
 transformers = pytest.importorskip("transformers")

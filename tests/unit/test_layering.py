@@ -4,13 +4,15 @@
   other (parallel/ may use zero's public package API);
 - only strategies/, precision.py, callbacks/, checkpoint/ and demo/ (plus the package root that registers names)
   may import lightning;
-- the Lightning-free modules (the engines, distributed/, checkpoint/, config.py, consolidate.py) reach neither
-  lightning nor demo/ through any chain of the project's own imports (an `ast` walk of the import graph), and
-  importing them in a fresh interpreter loads neither (with the package root left out: it registers the strategy
-  names, so it must import Lightning);
+- the Lightning-free modules (the engines, distributed/, engine_parts/, checkpoint/, config.py, consolidate.py, ...)
+  reach neither lightning nor demo/ through any chain of the project's own imports (an `ast` walk of the import
+  graph), and importing them in a fresh interpreter loads neither (with the package root left out: it registers the
+  strategy names, so it must import Lightning);
 - nothing outside demo/ imports the demo, and importing the package (which registers the strategies) does not load
   it;
-- only distributed/ calls torch.distributed collectives.
+- only distributed/ calls torch.distributed collectives;
+- the layers the engines build on import no engine: engine_parts/ (shared engine machinery) imports only itself and
+  distributed/, and distributed/ (communication) only itself.
 """
 
 import ast
@@ -22,6 +24,8 @@ from tests.fresh_interpreter import run_python
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_colossal"
 ENGINES = ("zero", "gemini", "parallel", "fsdp")
+# What the engines build on, and which of the project's packages each may import (itself included).
+SHARED_LAYERS = {"distributed": ("distributed",), "engine_parts": ("engine_parts", "distributed")}
 MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "demo", "__init__.py")
 # Lightning adapters and the demo: engines import none of them (they import lightning, and the demo is a workload).
 FORBIDDEN_FOR_ENGINES = ("demo", "strategies", "precision", "callbacks")
@@ -191,8 +195,8 @@ def test_lightning_free_modules_reach_neither_lightning_nor_the_demo_transitivel
         if chain is not None:
             offenders.append(chain)
     assert not offenders, (
-        "engines, distributed/, checkpoint/, config.py and consolidate.py must not import lightning or the demo, even"
-        " through other modules of the package (let a model declare what engines need, as the demo GPT declares"
+        "engines, distributed/, engine_parts/, checkpoint/, config.py and consolidate.py must not import lightning or"
+        " the demo, even through other modules of the package (let a model declare what engines need, as the demo GPT declares"
         " `_no_split_modules` and `parallel_policy()`):\n" + "\n".join(offenders)
     )
 
@@ -302,6 +306,23 @@ def test_engines_do_not_import_each_other():
                 offenders.append(f"{relative}: imports {name} (the demo or a Lightning layer)")
     assert not offenders, "engines must not import each other's internals, the demo or the Lightning layers:\n" + (
         "\n".join(offenders)
+    )
+
+
+def test_the_shared_layers_import_no_engine():
+    # Engines share code through engine_parts/ and distributed/, never through each other: those two import no
+    # engine, and communication (distributed/) does not import the engine machinery built on it.
+    offenders = []
+    for relative, tree in _modules():
+        layer = relative.parts[0]
+        if layer not in SHARED_LAYERS:
+            continue
+        for name in _imported_names(tree):
+            parts = name.split(".")
+            if parts[0] == "lightning_colossal" and (len(parts) == 1 or parts[1] not in SHARED_LAYERS[layer]):
+                offenders.append(f"{relative}: imports {name}")
+    assert not offenders, (
+        "engine_parts/ may import only itself and distributed/, distributed/ only itself:\n" + "\n".join(offenders)
     )
 
 

@@ -1,4 +1,4 @@
-"""Windowed initialisation of meta-device models (distributed/meta_init.py): values, windows, unset tensors."""
+"""Windowed initialisation of meta-device models (engine_parts/meta_init.py): values, windows, unset tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_colossal.distributed.meta_init import initialise_in_windows
+from lightning_colossal.engine_parts.meta_init import initialise_in_windows
 
 
 class Net(nn.Module):

@@ -35,6 +35,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_colossal.parallel.huggingface.base_model import base_model
 from lightning_colossal.parallel.plan_policy import FusedColumns, PlanPolicy, module_pattern
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
@@ -193,13 +194,11 @@ class FamilyPlanPolicy(ModelPolicy):
         return isinstance(module, PreTrainedModel) and model_type in FAMILY_PLANS
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
-        from lightning_colossal.parallel.huggingface import _base_model
-
         if context.tp_size == 1:
             return ParallelPlan()  # nothing to split, and no config variant to refuse
         config = model.config  # type: ignore[attr-defined]
         family = FAMILY_PLANS[config.model_type](config)
-        base, prefix = _base_model(model)
+        base, prefix = base_model(model)
         plan_policy = PlanPolicy(
             family.tp_plan,
             prefix=f"{prefix}." if prefix else "",

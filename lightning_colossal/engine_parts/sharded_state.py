@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.distributed.rows import ShardSpec
+from lightning_colossal.engine_parts.rows import ShardSpec
 
 
 @dataclass(frozen=True)

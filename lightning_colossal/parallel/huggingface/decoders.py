@@ -17,14 +17,15 @@ the sequence one by one (as the demo GPT's do). Instead the residual stream and 
 each attention and MLP block gathers the whole sequence once at its input (backward: reduce-scatter of the summed
 input gradient); its column-parallel projections then take that input as it is and its row-parallel projection
 reduce-scatters back to shards. The base model's own forward runs, with hooks attached ([Note: techniques attach
-as hooks] in ``attached.py``):
+as hooks] in ``parallel/attached.py``):
 
 - on the base model, before its forward: no KV cache (a given cache is refused, ``use_cache`` set to False);
 - on the first decoder layer, before it: the sequence is split. Not after the embedding: the base forward builds
   position ids, the causal masks and the rotary embeddings from the embedding output's length, between the embedding
   and the first layer, and they must be the whole sequence's, which attention sees. The layer's ``position_ids``
   argument says the whole length; a hidden state of another length is a shard already, which is what the layer's
-  recomputation under activation checkpointing passes (``attached.py`` explains why it comes through this hook);
+  recomputation under activation checkpointing passes (``parallel/attached.py`` explains why it comes through this
+  hook);
 - on each layer's ``self_attn`` and ``mlp``, before them: the sequence is gathered;
 - on the final norm, after it, when the head is whole: the sequence is gathered for the head (a vocabulary-parallel
   head gathers it itself).
@@ -43,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import differentiable
+from lightning_colossal.parallel.huggingface.base_model import base_model
 from lightning_colossal.parallel.plan_policy import PlanPolicy, is_lora_layer
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, norm_parameters
 from lightning_colossal.parallel.tensor_parallel import (
@@ -74,7 +76,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         config = model.config  # type: ignore[attr-defined]
-        base, prefix = _base_model(model)
+        base, prefix = base_model(model)
         heads = tuple(
             (f"config.{attribute}", int(getattr(config, attribute)))
             for attribute in ("num_attention_heads", "num_key_value_heads")
@@ -109,7 +111,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
             )
         lora_layers = [name for name, module in model.named_modules() if is_lora_layer(module)]
         if lora_layers:
-            # plan_policy.py [Note: LoRA layers under tensor parallelism]: the adapters' gradients would be partial.
+            # parallel/plan_policy.py [Note: LoRA layers under tensor parallelism]: the adapters' gradients would be partial.
             raise ValueError(
                 f"sequence_parallel='split_gather' does not split peft LoRA layers ({lora_layers[0]!r}, ...): drop"
                 " sequence_parallel; tensor parallelism alone splits LoRA layers."
@@ -173,7 +175,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
                 f" {', '.join(PIPELINE_MODEL_TYPES)}): use pp_size=1 (tensor and data parallelism still apply), or"
                 " pass a ModelPolicy subclass that implements layers/stage_module/prune for it."
             )
-        base, _ = _base_model(model)
+        base, _ = base_model(model)
         if base is not model and not isinstance(getattr(model, "lm_head", None), nn.Module):
             raise ValueError(
                 f"{type(model).__name__} has no `lm_head`: built-in pipeline stages run a causal LM's head (or none,"
@@ -182,7 +184,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         self._check_pipeline(model)
-        base, _ = _base_model(model)
+        base, _ = base_model(model)
         return base.layers  # type: ignore[return-value]
 
     def stage_module(
@@ -197,7 +199,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
         return DecoderStage(model, layer_indices, first, last)
 
     def prune(self, model: nn.Module, keep_layers: set[int], first: bool, last: bool) -> None:
-        base, _ = _base_model(model)
+        base, _ = base_model(model)
         for index in range(len(base.layers)):
             if index not in keep_layers:
                 base.layers[index] = nn.Identity()
@@ -218,7 +220,7 @@ class DecoderStage(nn.Module):
 
     def __init__(self, model: nn.Module, layer_indices: list[int], first: bool, last: bool) -> None:
         super().__init__()
-        base, _ = _base_model(model)
+        base, _ = base_model(model)
         self.config = base.config
         self.first, self.last = first, last
         self.layer_indices = list(layer_indices)
@@ -351,21 +353,3 @@ def _with_hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: T
     if "hidden_states" in kwargs:
         return args, {**kwargs, "hidden_states": hidden}
     return (hidden, *args[1:]), kwargs
-
-
-def _base_model(model: nn.Module) -> tuple[nn.Module, str]:
-    """The base model (``model.<base_model_prefix>``, or ``model`` itself) and the prefix leading to it."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and hasattr(model, prefix):
-        return getattr(model, prefix), prefix
-    return model, ""
-
-
-def huggingface_policies() -> list[ModelPolicy]:
-    from lightning_colossal.parallel.bert_policy import BertPolicy
-    from lightning_colossal.parallel.gpt2_policy import GPT2Policy
-    from lightning_colossal.parallel.huggingface_families import FamilyPlanPolicy
-
-    # Model-specific policies first: GPT-2 and BERT carry no tensor-parallel plan of their own, and the family plans
-    # cover families without one (OPT, Bloom, ...) or whose own plan's styles are not applied here (Phi-3).
-    return [GPT2Policy(), BertPolicy(), FamilyPlanPolicy(), HuggingFacePlanPolicy()]

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_colossal.distributed.meta_init import initialise_in_windows, start_from_rank_zero_random_state
+from lightning_colossal.engine_parts.meta_init import initialise_in_windows, start_from_rank_zero_random_state
 
 #: The attribute of a module that holds its ``PretrainedWeights``.
 RECORD_ATTRIBUTE = "pretrained_weights"
@@ -221,7 +221,7 @@ def storage_free_copy(module: nn.Module) -> nn.Module:
 def materialise_whole(module: nn.Module, device: torch.device, window_bytes: int = 1 << 30) -> None:
     """Give every meta tensor of ``module`` storage on ``device`` and its whole pretrained value, keeping tensor
     identities (tied weights stay tied): the data-parallel strategies, which hold the whole model on every rank."""
-    from lightning_colossal.distributed.meta_init import materialise_in_place
+    from lightning_colossal.engine_parts.meta_init import materialise_in_place
 
     template = storage_free_copy(module)
     named: dict[int, tuple[list[str], Tensor]] = {}

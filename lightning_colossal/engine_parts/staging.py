@@ -6,7 +6,7 @@ Two layouts hold the rows of many parameters at once ([Note: sharding along dim 
   parameter, each parameter at the same ``slot_offset`` in every slot. One reduce-scatter or all-gather moves the
   whole buffer (ZeRO's stage-2 buckets and parameter exchange, Gemini's chunk gathers and reductions).
 - *parameter-major*: each parameter's whole flat value, one after the other. Zeroed, with each rank writing only its
-  own rows, an all-reduce of it is an all-gather ([Note: exchanges per backend] in ``collectives``).
+  own rows, an all-reduce of it is an all-gather ([Note: exchanges per backend] in ``distributed/collectives.py``).
 
 Zero-dimensional parameters are replicated: every rank owns the whole value.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from lightning_colossal.distributed.rows import ShardSpec
+from lightning_colossal.engine_parts.rows import ShardSpec
 
 
 def rows_into_slots(whole: Tensor, spec: ShardSpec, slots: Tensor, slot_offset: int) -> None:
