@@ -257,7 +257,8 @@ class GeminiConfig:
     """Settings of the Gemini engine (``lightning_colossal.gemini``).
 
     Args:
-        placement: ``StaticPlacement`` or ``AutoPlacement``.
+        placement: ``StaticPlacement(...)`` or ``AutoPlacement(...)`` (a strategy given ``None`` takes
+            ``StaticPlacement()``).
         chunk_numel: elements per chunk; ``None`` searches the size that wastes the least chunk space.
         min_chunk_numel: smallest chunk size the search tries.
         search_range_numel: the search tries sizes in ``[start, start + search_range_numel]``.

@@ -43,21 +43,9 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
     Registered as ``colossal_gemini`` (static placement, all on the compute device), ``colossal_gemini_auto``
     (automatic placement) and ``colossal_gemini_offload`` (static, fp32 masters and optimizer state in CPU memory),
     each also ``*_notebook``.
-
-    Args:
-        placement: ``StaticPlacement(...)`` or ``AutoPlacement(...)``; default ``StaticPlacement()``.
-        chunk_numel: elements per chunk; ``None`` searches the size wasting the least chunk space.
-        min_chunk_numel: smallest chunk size the chunk-size search tries.
-        search_range_numel: the search tries sizes in ``[start, start + search_range_numel]``.
-        search_step_numel: step between the sizes the search tries.
-        max_prefetch: chunks gathered ahead of use, asynchronously.
-        communication: ``"auto"``, ``"all_reduce"`` or ``"scatter_gather"`` (identical results).
-        init_window_bytes: bytes one initialisation pass materialises when the model is built on the meta device
-            (``Trainer.init_module(empty_init=True)`` or ``configure_model``).
-        shard_frozen_parameters: shard parameters with ``requires_grad=False`` (a LoRA model's base) in chunks of
-            their own, like the trainable ones (default); ``False`` keeps them whole on every rank.
     """
 
+    argument_doc_sources = (GeminiConfig,)
     materialises_meta_models = True  # meta models are initialised into chunk shards (gemini/initialise.py)
     manual_optimization_refusal = (
         "the engine owns when chunks are gathered, reduced and refreshed around the optimizer step"
