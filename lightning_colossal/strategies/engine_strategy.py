@@ -4,9 +4,10 @@ Such an engine (``engine_protocol.StepEngine``) is built with the user's one opt
 between backward and the optimizer step. The Lightning side is the same for all of them and written once here:
 
 - ``setup``: prepare the module (``_prepare_module``), then ``_setup_engine`` (by default: release the engine of an
-  earlier stage, build the one optimizer when fitting or forget an earlier fit's optimizers otherwise, and build a
-  new engine over it with the mode's ``_build_engine``), then the precision plugin, whose gradient clipper becomes
-  the engine (a global norm over every shard; precision.py [Note: clipping belongs to the engine]);
+  earlier stage, build the one optimizer when fitting (outside fitting the last fit's optimizers and engine stay for
+  checkpoints), and build a new engine over it with the mode's ``_build_engine``), then the precision plugin, whose
+  gradient clipper becomes the engine (a global norm over every shard;
+  precision.py [Note: clipping belongs to the engine]);
 - ``block_backward_sync`` (the non-final micro-batches of gradient accumulation) enters the engine's ``no_sync()``
   when it has one (``SkipsGradientSync``);
 - ``optimizer_step`` tells the engine whether the step happened: ``after_step(stepped=False)`` when the loss scaler
