@@ -14,6 +14,7 @@ from lightning_colossal.config.data_parallel import (
     GradientCompression,
     Stage2Accumulation,
     ZeroConfig,
+    bucket_numel,
 )
 from lightning_colossal.config.fsdp import (
     FSDPConfig,
@@ -51,6 +52,7 @@ from lightning_colossal.config.run import (
 )
 
 __all__ = [
+    "bucket_numel",
     "AllToAll",
     "AutoPlacement",
     "Communication",

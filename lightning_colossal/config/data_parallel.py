@@ -15,6 +15,11 @@ Stage2Accumulation = Literal["sharded", "local"]
 Communication = Literal["auto", "all_reduce", "scatter_gather"]
 
 
+def bucket_numel(bucket_size_mb: float) -> int:
+    """Elements in a gradient bucket of ``bucket_size_mb`` MiB, counted as fp32 (4 bytes) whatever the dtype."""
+    return max(1, int(bucket_size_mb * 2**20 / 4))
+
+
 @dataclass(frozen=True, kw_only=True)
 class DDPConfig:
     """Settings of torch ``DistributedDataParallel`` as used by ``ColossalDDPStrategy``.

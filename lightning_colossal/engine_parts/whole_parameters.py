@@ -2,12 +2,13 @@
 
 [Note: reading sharded parameters outside a forward]
 A loss term over the parameters themselves (an L2 penalty, a regulariser over some weights) reads them in
-``training_step``, outside any module's forward. Under FSDP2 and tensor parallelism a parameter there is this rank's
-DTensor shard, and adding a term over it to the plain loss fails in torch ("mixed torch.Tensor and DTensor"); Gemini's
-parameters are empty placeholders outside their module's forward. Holding every parameter whole between forwards
-would undo the sharding, so the strategies gather only inside ``whole_parameters``, on request.
+``training_step``, outside any module's forward. Under FSDP2 a parameter there is this rank's DTensor shard, and
+adding a term over it to the plain loss fails in torch ("mixed torch.Tensor and DTensor"); Gemini's parameters are
+empty placeholders outside their module's forward. Holding every parameter whole between forwards would undo the
+sharding, so the strategies gather only inside ``whole_parameters``, on request. (The hybrid strategy's
+tensor-parallel pieces are plain tensors, some fused, and a pipeline stage holds only its layers: it refuses.)
 
-Here (FSDP2, tensor parallelism) each DTensor parameter is replaced in its module, for the duration of the context,
+Here (FSDP2) each DTensor parameter is replaced in its module, for the duration of the context,
 by its ``full_tensor()``: an all-gather whose backward gives each rank the gradient of its own rows without any
 communication, which is exact because every rank computes the same term. Autograd accumulates that gradient into the
 shard's ``.grad`` beside the one the engine reduces (a mean over ranks of the data term), so the step sees

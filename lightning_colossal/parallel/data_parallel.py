@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_colossal.config import GradientAveraging
+from lightning_colossal.config import GradientAveraging, bucket_numel
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts.staging import copy_out_of_flat
@@ -52,7 +52,7 @@ class GradientAverager:
             parameter for group_of_parameters in optimizer.param_groups for parameter in group_of_parameters["params"]
         ]
         self.group = group
-        self.bucket_numel = max(1, int(config.bucket_size_mb * 2**20 / 4))
+        self.bucket_numel = bucket_numel(config.bucket_size_mb)
         self.checkpoint_view = checkpoint_view
 
     # ---------------------------------------------------------------------------------------------- step

@@ -40,9 +40,9 @@ class Working:
 
 
 def _zero_buffers(shapes: Sequence[tuple[int, ...]], training: Training, stage: int, world_size: int) -> Working:
-    from lightning_colossal.config import ZeroConfig
+    from lightning_colossal.config import ZeroConfig, bucket_numel
 
-    bucket = int(ZeroConfig().bucket_size_mb * 2**20 / FP32)  # the engine's bucket_numel
+    bucket = bucket_numel(ZeroConfig().bucket_size_mb)  # as the ZeRO engine buckets
     width = training.parameter_bytes
     if stage == 1:
         filled = min(bucket + max(math.prod(shape) for shape in shapes), sum(math.prod(shape) for shape in shapes))

@@ -54,14 +54,7 @@ from lightning_colossal.strategies.failures import FailureReportingMixin
 from lightning_colossal.strategies.optimizers import OptimizerSetupMixin
 from lightning_colossal.strategies.optimizers import unwrap_optimizer as _unwrap_optimizer
 
-__all__ = ["WHOLE_PARAMETERS_HINT", "ColossalStrategy", "_unwrap_optimizer"]
-
-#: Added to the error a loss term over sharded parameters meets outside a forward.
-WHOLE_PARAMETERS_HINT = (
-    "Outside a forward, {strategy} holds {pieces}. For a loss term over the parameters themselves (an L2 penalty, a"
-    " regulariser) compute it inside `with self.trainer.strategy.whole_parameters():` in training_step, on every rank;"
-    " its gradient is exact, as under Lightning's ddp."
-)
+__all__ = ["ColossalStrategy", "_unwrap_optimizer"]
 
 
 class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, CheckpointingMixin):
@@ -132,6 +125,10 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         self._parallel_dims = None
         # The plugin used when Lightning never hands one over (e.g. the strategy used outside a Trainer).
         self._fallback_precision = ColossalPrecision("32-true", loss_scaler)
+        # The one-time grad_norm warning (``_warn_where_grad_norm_cannot_read``).
+        self._grad_norm_check_pending = False
+        self._gradient_norm_asked = False
+        self._warned_about_grad_norm = False
 
     # ---------------------------------------------------------------------------------------------- precision
     @property
@@ -191,7 +188,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         ``torch.tensor(list_of_norms)``, which cannot read a DTensor (the same failure under Lightning's FSDP).
         """
         self._grad_norm_check_pending = False
-        if self.grad_norm_limitation() is None or getattr(self, "_warned_about_grad_norm", False):
+        if self.grad_norm_limitation() is None or self._warned_about_grad_norm:
             return
         hook = "on_before_optimizer_step"
         user_callbacks = [
@@ -211,7 +208,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if getattr(self, "_grad_norm_check_pending", False):
+        if self._grad_norm_check_pending:
             self._grad_norm_check_pending = False
             if not self._gradient_norm_asked:
                 self._warned_about_grad_norm = True
@@ -284,10 +281,11 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
                     penalty = sum(parameter.pow(2).sum() for parameter in self.parameters())
                 return loss + 1e-4 * penalty
 
-        Call it on every rank (under FSDP, Gemini and tensor parallelism it gathers the parameters: a collective).
-        The term's gradient is exact, as under Lightning's ``ddp``. Under ``colossal_ddp`` and ZeRO it does nothing:
-        parameters are whole there. Under FSDP and tensor parallelism parameters are DTensor shards outside a forward,
-        and inside the context each reads as its whole tensor; under Gemini every chunk is gathered. The gathered
+        Call it on every rank (under FSDP and Gemini it gathers the parameters: a collective). The term's gradient is
+        exact, as under Lightning's ``ddp``. Under ``colossal_ddp``, ZeRO and hybrid data parallelism it does nothing:
+        parameters are whole there; hybrid tensor and pipeline parallelism refuse it. Under FSDP parameters are
+        DTensor shards outside a forward, and inside the context each reads as its whole tensor; under Gemini every
+        chunk is gathered. The gathered
         values stay alive until backward, held by the term's autograd graph: a term over every parameter costs the
         whole model's bytes until then (``engine_parts/whole_parameters.py`` [Note: reading sharded parameters outside
         a forward]).

@@ -37,7 +37,6 @@ from lightning_colossal.parallel import (
     find_policy,
     split_sequence,
 )
-from lightning_colossal.strategies.base import WHOLE_PARAMETERS_HINT
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.hybrid_module import (
     log_plain_values,
@@ -186,12 +185,6 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
                 " whose whole_parameters() gathers them."
             )
         yield  # data and sequence parallelism only: every parameter is whole on every rank
-
-    def _annotate_failure(self, exception: BaseException) -> None:
-        super()._annotate_failure(exception)
-        if isinstance(exception, RuntimeError) and "mixed torch.Tensor and DTensor" in str(exception):
-            pieces = "each tensor-parallel parameter as a DTensor shard of this rank"
-            exception.add_note(WHOLE_PARAMETERS_HINT.format(strategy="colossal_hybrid", pieces=pieces))
 
     def _release_engine(self, engine: HybridEngine) -> None:
         # The module keeps its split form and the engine for a next run; ZeRO's gradient hooks go now.

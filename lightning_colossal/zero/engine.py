@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import ZeroConfig
+from lightning_colossal.config import ZeroConfig, bucket_numel
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
@@ -137,7 +137,7 @@ class ZeroEngine:
         config = self.config
         setup = ReducerSetup(
             process_group=self.process_group,
-            bucket_numel=max(1, int(config.bucket_size_mb * 2**20 / 4)),
+            bucket_numel=bucket_numel(config.bucket_size_mb),
             overlap=config.overlap_communication,
             device=self.compute_device,
             on_finished=self._attach_master_gradients,
