@@ -77,6 +77,16 @@ class NameKeyedOptimizerState(Protocol):
 
 
 @runtime_checkable
+class StepsOptimizer(Protocol):
+    """An engine that runs the optimizer step itself (the disk tier streams the state through it:
+    ``disk/optimizer_state.py`` [Note: streaming the optimizer step])."""
+
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """What ``optimizer.step(**kwargs)`` does, however the engine keeps the optimizer's state."""
+        ...
+
+
+@runtime_checkable
 class MemoryReporting(Protocol):
     """An engine that accounts for the bytes it holds (``callbacks/memory.py`` reads it)."""
 
@@ -85,4 +95,4 @@ class MemoryReporting(Protocol):
         ...
 
 
-__all__ = ["MemoryReporting", "NameKeyedOptimizerState", "SkipsGradientSync", "StepEngine"]
+__all__ = ["MemoryReporting", "NameKeyedOptimizerState", "SkipsGradientSync", "StepEngine", "StepsOptimizer"]

@@ -179,6 +179,10 @@ def _counted_piece(gradient: Tensor) -> Tensor | None:
     return local if local.numel() else None
 
 
+def plain_step(optimizer: Any, **kwargs: Any) -> Any:
+    return optimizer.step(**kwargs)
+
+
 class ColossalPrecision(Precision):
     """Precision plugin shared by all lightning_colossal strategies.
 
@@ -204,6 +208,9 @@ class ColossalPrecision(Precision):
         if self.precision == "16-mixed":
             self.loss_scaler = DynamicLossScaler(loss_scaler)
         self.gradient_clipper: GradientClipper = LocalGradientClipper()
+        #: Runs ``optimizer.step(**kwargs)``; an engine that keeps optimizer state on disk replaces it (strategies set
+        #: it with the gradient clipper).
+        self.optimizer_stepper: Callable[..., Any] = plain_step
         self.process_group: ProcessGroup | None = None
         # Filled by every optimizer_step: whether the last step was skipped because of an overflow.
         self.last_step_skipped = False
@@ -300,7 +307,7 @@ class ColossalPrecision(Precision):
         if found_overflow:
             self.last_step_skipped = True
             return closure_result
-        return optimizer.step(**kwargs)
+        return self.optimizer_stepper(optimizer, **kwargs)
 
     def _step_unless_nonfinite(
         self, optimizer: Optimizable, model: Any, closure: Callable[[], Any], **kwargs: Any
@@ -316,7 +323,7 @@ class ColossalPrecision(Precision):
         loss_ranks, gradient_ranks = self.nonfinite_ranks(optimizer)  # type: ignore[arg-type]
         if not loss_ranks and not gradient_ranks:
             self._after_closure(model, optimizer)
-            return optimizer.step(**kwargs)
+            return self.optimizer_stepper(optimizer, **kwargs)
         step = getattr(model, "global_step", "?")
         found = (
             f"Step {step} (global_step): non-finite loss on rank(s) {loss_ranks or 'none'}, non-finite gradients on"
@@ -336,7 +343,7 @@ class ColossalPrecision(Precision):
             rank_zero_warn(f"{found} Skipped this optimizer step on every rank (on_nonfinite='skip').")
             return closure_result
         rank_zero_warn(f"{found} Stepping anyway (on_nonfinite='warn'): the weights may become non-finite.")
-        return optimizer.step(**kwargs)
+        return self.optimizer_stepper(optimizer, **kwargs)
 
     def nonfinite_ranks(self, optimizer: Optimizer) -> tuple[list[int], list[int]]:
         """The ranks whose loss (since the last step) and whose gradient shards hold an inf/nan, agreed by all ranks.

@@ -82,6 +82,10 @@ class ZeroConfig:
             all-gather parameters (NCCL's collectives; point-to-point sends on gloo, where the all-gather is about
             twice as fast as an all-reduce); ``"all_reduce"`` does both with all-reduces instead (same results,
             twice the bytes).
+        offload_dir: directory on a local disk (NVMe) for the disk tier (``lightning_colossal/disk``); needs
+            ``cpu_offload``.
+        disk_fraction: share of the offloaded optimizer state (Adam's moments, SGD's momentum), counted in parameter
+            order from the first, that lives on disk between steps under ``offload_dir``.
     """
 
     stage: int = 1
@@ -90,6 +94,8 @@ class ZeroConfig:
     overlap_communication: bool = True
     stage2_accumulation: Stage2Accumulation = "sharded"
     communication: Communication = "auto"
+    offload_dir: str | None = None
+    disk_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -104,3 +110,20 @@ class ZeroConfig:
             raise ValueError(f"stage2_accumulation={self.stage2_accumulation!r}: pass 'sharded' or 'local'.")
         if self.communication not in ("auto", "all_reduce", "scatter_gather"):
             raise ValueError(f"communication={self.communication!r}: pass 'auto', 'all_reduce' or 'scatter_gather'.")
+        if not 0.0 <= self.disk_fraction <= 1.0:
+            raise ValueError(f"disk_fraction={self.disk_fraction}: pass a share in [0, 1].")
+        if self.disk_fraction > 0 and not self.cpu_offload:
+            raise ValueError(
+                f"disk_fraction={self.disk_fraction} needs cpu_offload=True: optimizer state on disk is stepped on the"
+                " CPU. Pass cpu_offload=True (or use the `colossal_zero2_offload` strategy)."
+            )
+        if self.disk_fraction > 0 and self.offload_dir is None:
+            raise ValueError(
+                f"disk_fraction={self.disk_fraction} needs offload_dir: pass the directory on a local disk where the"
+                " optimizer state may live, e.g. offload_dir='/local_nvme'."
+            )
+        if self.offload_dir is not None and self.disk_fraction == 0:
+            raise ValueError(
+                f"offload_dir={self.offload_dir!r} has no effect with disk_fraction=0: pass disk_fraction (e.g. 1.0)"
+                " or drop offload_dir."
+            )

@@ -22,14 +22,18 @@ class StaticPlacement:
         offload_param_frac: share of chunks whose working-precision shards wait in CPU memory between uses; needs
             ``shard_param_frac == 1`` and ``offload_optim_frac == 1`` (a chunk must be sharded and its optimizer on
             the CPU before its parameters can follow).
+        disk_fraction: share of chunks (counted like ``offload_optim_frac``, from the first) whose optimizer state
+            (Adam's moments, SGD's momentum) lives on disk between steps, under ``GeminiConfig.offload_dir``; at most
+            ``offload_optim_frac`` (state on disk is stepped on the CPU). See ``lightning_colossal/disk``.
     """
 
     shard_param_frac: float = 1.0
     offload_optim_frac: float = 0.0
     offload_param_frac: float = 0.0
+    disk_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac", "disk_fraction"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"StaticPlacement({name}={value}): pass a share in [0, 1].")
@@ -38,6 +42,12 @@ class StaticPlacement:
                 f"StaticPlacement(offload_param_frac={self.offload_param_frac}) needs shard_param_frac=1.0 and"
                 f" offload_optim_frac=1.0 (got {self.shard_param_frac} and {self.offload_optim_frac}): offloaded"
                 " parameters must be sharded and stepped on the CPU. Raise both to 1.0 or set offload_param_frac=0."
+            )
+        if self.disk_fraction > self.offload_optim_frac:
+            raise ValueError(
+                f"StaticPlacement(disk_fraction={self.disk_fraction}) exceeds offload_optim_frac="
+                f"{self.offload_optim_frac}: optimizer state on disk is stepped on the CPU. Raise offload_optim_frac"
+                f" to at least {self.disk_fraction} or lower disk_fraction."
             )
 
 
@@ -56,11 +66,16 @@ class AutoPlacement:
         steady_compute_cap_ratio: the share of the budget usable once the trace exists (headroom for fragmentation).
         compute_memory_budget: bytes of compute-device memory the model may use; ``None`` means the device's total
             memory on CUDA and no limit on the CPU.
+        host_memory_budget: bytes of host memory this rank's model state may use (offloaded shards, masters,
+            gradient shards, optimizer state). With ``GeminiConfig.offload_dir`` set, the optimizer state of the
+            chunks that do not fit goes to disk (the last chunks first); without it, a model whose host bytes exceed
+            the budget is refused before training. ``None``: no limit.
     """
 
     warmup_non_model_data_ratio: float = 0.8
     steady_compute_cap_ratio: float = 0.9
     compute_memory_budget: int | None = None
+    host_memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.warmup_non_model_data_ratio < 1.0:
@@ -77,6 +92,11 @@ class AutoPlacement:
             raise ValueError(
                 f"AutoPlacement(compute_memory_budget={self.compute_memory_budget}): pass a positive number of bytes"
                 " or None (the whole device)."
+            )
+        if self.host_memory_budget is not None and self.host_memory_budget <= 0:
+            raise ValueError(
+                f"AutoPlacement(host_memory_budget={self.host_memory_budget}): pass a positive number of bytes or"
+                " None (no limit)."
             )
 
 
@@ -106,6 +126,9 @@ class GeminiConfig:
             them whole on every rank: for a model that reads a frozen parameter outside the forward of the module
             that owns it (the hooks gather a chunk only for its owning modules), or a small frozen part whose
             gathers would cost more than its bytes save.
+        offload_dir: directory on a local disk (NVMe) for the disk tier: the optimizer state that
+            ``StaticPlacement(disk_fraction=...)`` or ``AutoPlacement(host_memory_budget=...)`` puts on disk lives in a
+            per-run working directory under it, removed at the end of the run (``lightning_colossal/disk``).
     """
 
     placement: StaticPlacement | AutoPlacement = StaticPlacement()
@@ -117,6 +140,7 @@ class GeminiConfig:
     communication: Communication = "auto"
     init_window_bytes: int = 2**30
     shard_frozen_parameters: bool = True
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, (StaticPlacement, AutoPlacement)):
@@ -134,3 +158,20 @@ class GeminiConfig:
             raise ValueError(f"max_prefetch={self.max_prefetch}: pass an integer >= 0 (0 turns prefetching off).")
         if self.communication not in ("auto", "all_reduce", "scatter_gather"):
             raise ValueError(f"communication={self.communication!r}: pass 'auto', 'all_reduce' or 'scatter_gather'.")
+        placement = self.placement
+        wants_disk = isinstance(placement, StaticPlacement) and placement.disk_fraction > 0
+        if wants_disk and self.offload_dir is None:
+            raise ValueError(
+                f"StaticPlacement(disk_fraction={placement.disk_fraction}) needs offload_dir: pass the directory on a"
+                " local disk where the optimizer state may live, e.g. offload_dir='/local_nvme'."
+            )
+        if self.offload_dir is not None and isinstance(placement, StaticPlacement) and not wants_disk:
+            raise ValueError(
+                f"offload_dir={self.offload_dir!r} has no effect with disk_fraction=0: pass disk_fraction (the share"
+                " of chunks whose optimizer state goes to disk, e.g. 1.0) or drop offload_dir."
+            )
+        if isinstance(placement, AutoPlacement) and self.offload_dir is not None and placement.host_memory_budget is None:
+            raise ValueError(
+                f"offload_dir={self.offload_dir!r} with automatic placement needs host_memory_budget: the optimizer"
+                " state of the chunks that do not fit that many bytes of host memory goes to disk."
+            )

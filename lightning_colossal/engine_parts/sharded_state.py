@@ -92,8 +92,13 @@ def is_shard_state(value: Any, master: Tensor) -> bool:
     return isinstance(value, Tensor) and value.shape == master.shape and value.dim() > 0
 
 
-def initialise_optimizer_state(optimizer: Optimizer, masters: Sequence[Tensor]) -> None:
-    """Create the optimizer's state tensors (a zero-learning-rate step on zero gradients), if it never stepped."""
+def initialise_optimizer_state(
+    optimizer: Optimizer, masters: Sequence[Tensor], step: Callable[[], Any] | None = None
+) -> None:
+    """Create the optimizer's state tensors (a zero-learning-rate step on zero gradients), if it never stepped.
+
+    ``step`` runs the step instead of ``optimizer.step`` (the disk tier streams it).
+    """
     if optimizer.state:
         return
     saved_gradients = [master.grad for master in masters]
@@ -102,7 +107,7 @@ def initialise_optimizer_state(optimizer: Optimizer, masters: Sequence[Tensor]) 
     learning_rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
-    optimizer.step()
+    (step or optimizer.step)()
     for group, learning_rate in zip(optimizer.param_groups, learning_rates, strict=True):
         group["lr"] = learning_rate
     for master, gradient in zip(masters, saved_gradients, strict=True):

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
+from lightning_colossal.disk.optimizer_state import DiskOptimizerState, open_disk_state, state_bytes_per_element
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
@@ -38,7 +39,7 @@ from lightning_colossal.gemini.hooks import ChunkHooks
 from lightning_colossal.gemini.initialise import materialise_chunks
 from lightning_colossal.gemini.layout import ChunkSpec, build_layout, check_chunk_numel, search_chunk_numel
 from lightning_colossal.gemini.manager import ChunkBytes, ChunkManager
-from lightning_colossal.gemini.placement import PlacementPlan, auto_plan, static_plan
+from lightning_colossal.gemini.placement import PlacementPlan, auto_plan, disk_by_host_budget, static_plan
 from lightning_colossal.gemini.prefetch import Prefetcher
 from lightning_colossal.gemini.tracer import MemoryTracer
 
@@ -54,6 +55,8 @@ class GeminiMemoryReport(NamedTuple):
     chunk_numel: int
     num_chunks: int
     frozen_shard_bytes: int  # this rank's shards of frozen chunks (part of ``chunks.shard``)
+    disk_bytes: int = 0  # optimizer state the disk tier holds for this rank (not in ``chunks``)
+    disk_staging_bytes: int = 0  # host buffers the disk tier streams that state through during a step
 
 
 class GeminiEngine:
@@ -128,6 +131,8 @@ class GeminiEngine:
                 if not chunk.frozen
             }
             optimizer_takeover.swap_parameters(optimizer, masters)
+        #: The optimizer state of some chunks on disk between steps (``lightning_colossal/disk``), or ``None``.
+        self.disk_state: DiskOptimizerState | None = None if optimizer is None else self._open_disk_tier(optimizer)
         self.tracer = MemoryTracer(compute_device, self._model_bytes_on_device)
         self.hooks = self._install_hooks()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
@@ -164,7 +169,47 @@ class GeminiEngine:
         plan = static_plan([spec.numel * element_size for spec in specs], placement)
         # Optimizer offloading is a share of the optimizer's bytes: frozen chunks have none, so they do not count.
         trainable_bytes = [spec.numel * element_size for spec in specs if not spec.frozen]
-        return plan._replace(offload_optimizer=static_plan(trainable_bytes, placement).offload_optimizer)
+        trainable_plan = static_plan(trainable_bytes, placement)
+        return plan._replace(
+            offload_optimizer=trainable_plan.offload_optimizer, disk_optimizer=trainable_plan.disk_optimizer
+        )
+
+    def _open_disk_tier(self, optimizer: Optimizer) -> DiskOptimizerState | None:
+        """Put the optimizer state of the chunks the placement sends to disk there: static placement's
+        ``disk_fraction``, or what does not fit automatic placement's ``host_memory_budget``."""
+        placement = self.config.placement
+        trainable = [chunk for chunk in self.manager.chunks if not chunk.frozen]
+        if isinstance(placement, AutoPlacement):
+            if placement.host_memory_budget is None:
+                return None
+            per_element = _state_bytes_per_master(optimizer)
+            state_bytes = [
+                sum(view.numel() * per_element[id(view)] for view in chunk.master_views) for chunk in trainable
+            ]
+            host_bytes = [
+                _host_bytes_without_state(chunk) + state for chunk, state in zip(trainable, state_bytes, strict=True)
+            ]
+            frozen_host = sum(_tensor_bytes(chunk.shard) for chunk in self.manager.chunks if chunk.frozen)
+            on_disk = disk_by_host_budget(
+                [*host_bytes, frozen_host],
+                [*state_bytes, 0],
+                placement.host_memory_budget,
+                has_disk=self.config.offload_dir is not None,
+            )
+        else:
+            on_disk = self.manager.plan.disk_optimizer
+        groups = [chunk.master_views for chunk in trainable if chunk.index in on_disk]
+        if not groups:
+            return None
+        assert self.config.offload_dir is not None
+        return open_disk_state(
+            optimizer,
+            groups,
+            self.config.offload_dir,
+            rank=collectives.rank(),
+            pin=self.compute_device.type == "cuda",
+            what=f"the optimizer state of {len(groups)} of {len(trainable)} chunks",
+        )
 
     def _fill_shards(self) -> None:
         if has_meta_tensors(self.module):
@@ -261,6 +306,12 @@ class GeminiEngine:
         self.hooks.prepare_backward(loss)
 
     # ---------------------------------------------------------------------------------------------- step
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, streaming the state of the chunks on disk through the disk tier."""
+        if self.disk_state is None:
+            return optimizer.step(**kwargs)
+        return self.disk_state.step(self.process_group, **kwargs)
+
     def after_step(self, stepped: bool) -> None:
         """Refresh the working shards from the stepped masters, drop gathered (now stale) chunks, zero gradients."""
         self.release_all()
@@ -308,6 +359,8 @@ class GeminiEngine:
             chunk_numel=self.chunk_numel,
             num_chunks=len(self.manager.chunks),
             frozen_shard_bytes=sum(_tensor_bytes(chunk.shard) for chunk in self.manager.chunks if chunk.frozen),
+            disk_bytes=0 if self.disk_state is None else self.disk_state.planned_bytes,
+            disk_staging_bytes=0 if self.disk_state is None else self.disk_state.staging_bytes,
         )
 
     def memory_by_chunk(self) -> list[ChunkBytes]:
@@ -355,11 +408,24 @@ class GeminiEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         assert self.optimizer is not None
+        if self.disk_state is not None:
+            # The state on disk is read into host tensors for the checkpoint (disk/optimizer_state.py: the next step
+            # binds the records again and drops these copies).
+            masters = [entry.master for entry in self.sharded_masters]
+            sharded_state.initialise_optimizer_state(self.optimizer, masters, step=self.disk_state.step)
+            self.disk_state.materialise()
         return sharded_state.optimizer_state_by_name(self.optimizer, self.sharded_masters, self.device_mesh)
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         assert self.optimizer is not None
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
+        if self.disk_state is not None:
+            self.disk_state.store()
+
+    def close_disk_tier(self) -> None:
+        """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
+        if self.disk_state is not None:
+            self.disk_state.close()
 
 
 def _held_parameters(optimizer: Optimizer | None, module: nn.Module) -> set[int] | None:
@@ -393,6 +459,23 @@ def _split_parameters(
 
 def _tensor_bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _state_bytes_per_master(optimizer: Optimizer) -> dict[int, int]:
+    """Per master (by id), the bytes of optimizer state per element it will have (``disk.state_bytes_per_element``)."""
+    per_group = state_bytes_per_element(optimizer)
+    return {
+        id(master): per_group[index] for index, group in enumerate(optimizer.param_groups) for master in group["params"]
+    }
+
+
+def _host_bytes_without_state(chunk: Chunk) -> int:
+    """What a trainable chunk keeps in host memory besides optimizer state under automatic placement: its shard
+    (counted there: automatic placement may park any shard on the host), its fp32 master unless the shard is it,
+    and its fp32 gradient shard."""
+    shard = _tensor_bytes(chunk.shard)
+    master = 0 if chunk.masters_alias_shard else chunk.spec.shard_numel * 4
+    return shard + master + chunk.spec.shard_numel * 4
 
 
 def _parameters_by_chunk(

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from lightning_colossal.disk.optimizer_state import is_placeholder
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
@@ -443,4 +444,6 @@ def _one_chunk_bytes(chunk: Chunk, optimizer_state: dict[Any, Any] | None) -> Ch
 
 
 def _nbytes(tensor: Tensor | None) -> int:
-    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+    if tensor is None or is_placeholder(tensor):
+        return 0  # state on disk between steps: held by the disk tier, not here
+    return tensor.numel() * tensor.element_size()

@@ -27,6 +27,7 @@ class PlacementPlan(NamedTuple):
     offload_optimizer: frozenset[int]
     offload_parameters: frozenset[int]
     start_offloaded: frozenset[int] = frozenset()
+    disk_optimizer: frozenset[int] = frozenset()  # optimizer state on disk between steps (a subset of the above)
 
 
 def leading_share(chunk_bytes: Sequence[int], fraction: float) -> frozenset[int]:
@@ -53,7 +54,49 @@ def static_plan(chunk_bytes: Sequence[int], placement: StaticPlacement) -> Place
         keep_gathered=keep,
         offload_optimizer=leading_share(chunk_bytes, placement.offload_optim_frac),
         offload_parameters=leading_share(chunk_bytes, placement.offload_param_frac),
+        disk_optimizer=leading_share(chunk_bytes, placement.disk_fraction),
     )
+
+
+class HostBudgetTooSmall(ValueError):
+    """Model state does not fit the host-memory budget, even with every chunk's optimizer state on disk."""
+
+
+def disk_by_host_budget(
+    host_bytes: Sequence[int], state_bytes: Sequence[int], budget: int, has_disk: bool
+) -> frozenset[int]:
+    """The chunks whose optimizer state goes to disk so that this rank's host bytes fit ``budget``: the last chunks
+    first (the first chunks' state stays in memory, like ``offload_optim_frac`` counts them).
+
+    Args:
+        host_bytes: per chunk, every byte it keeps in host memory with its optimizer state there too.
+        state_bytes: per chunk, the optimizer state's share of those bytes (what the disk can take).
+        budget: the host-memory budget in bytes.
+        has_disk: whether an ``offload_dir`` was given.
+    """
+    total = sum(host_bytes)
+    chosen: set[int] = set()
+    for index in reversed(range(len(host_bytes))):
+        if total <= budget or not has_disk:
+            break
+        if state_bytes[index]:
+            total -= state_bytes[index]
+            chosen.add(index)
+    if total > budget:
+        least = total if not has_disk else sum(host_bytes) - sum(state_bytes)
+        fix = (
+            "raise host_memory_budget, train on more ranks (each holds 1/N of the state), or pass offload_dir to put"
+            " optimizer state on disk"
+            if not has_disk
+            else "raise host_memory_budget or train on more ranks (each holds 1/N); fp32 masters, gradient shards"
+            " and offloaded parameter shards stay in host memory"
+        )
+        raise HostBudgetTooSmall(
+            f"This rank's model state needs {least:,} bytes of host memory"
+            f"{' with every optimizer state on disk' if has_disk else ''}, more than"
+            f" host_memory_budget={budget:,}: {fix}."
+        )
+    return frozenset(chosen)
 
 
 def auto_plan(num_chunks: int, budgeted: bool) -> PlacementPlan:

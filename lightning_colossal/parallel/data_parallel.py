@@ -65,6 +65,10 @@ class GradientAverager:
         """Average every gradient now (whether or not backward ran inside ``no_sync``: it never reduces there)."""
         self.average()
 
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """A plain step: the state is whole in memory."""
+        return optimizer.step(**kwargs)
+
     def after_step(self, stepped: bool) -> None:
         """Nothing to publish: every rank stepped the same averaged gradients."""
 

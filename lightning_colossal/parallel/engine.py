@@ -209,6 +209,12 @@ class HybridEngine:
         if self.data_parallel is not None:
             self.data_parallel.after_backward(reduction_deferred=self.pipeline is not None)
 
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, through the data-parallel part (ZeRO's disk tier streams its state)."""
+        if self.data_parallel is None:
+            return optimizer.step(**kwargs)
+        return self.data_parallel.step_optimizer(optimizer, **kwargs)
+
     def after_step(self, stepped: bool) -> None:
         if self.data_parallel is not None:
             self.data_parallel.after_step(stepped)

@@ -31,7 +31,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
-from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine
+from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine, StepsOptimizer
+from lightning_colossal.precision import plain_step
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.callback_refusals import refuse_finetuning_callbacks
 
@@ -69,6 +70,9 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         self.setup_precision_plugin()
         if self.engine is not None:
             self.precision_plugin.gradient_clipper = self.engine
+        self.precision_plugin.optimizer_stepper = (
+            self.engine.step_optimizer if isinstance(self.engine, StepsOptimizer) else plain_step
+        )
 
     def _setup_engine(self, trainer: pl.Trainer, fitting: bool) -> EngineT | None:
         """The engine this stage runs with; by default a new one from ``_build_engine`` over this stage's optimizer,

@@ -63,6 +63,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         communication: Literal["auto", "all_reduce", "scatter_gather"] = "auto",
         init_window_bytes: int = 2**30,
         shard_frozen_parameters: bool = True,
+        offload_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -76,6 +77,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
             communication=communication,
             init_window_bytes=init_window_bytes,
             shard_frozen_parameters=shard_frozen_parameters,
+            offload_dir=offload_dir,
         )
 
     def parameter_pieces(self) -> str | None:

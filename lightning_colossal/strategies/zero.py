@@ -45,6 +45,8 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
         overlap_communication: bool = True,
         stage2_accumulation: Stage2Accumulation = "sharded",
         communication: Communication = "auto",
+        offload_dir: str | None = None,
+        disk_fraction: float = 0.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -55,6 +57,8 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
             overlap_communication=overlap_communication,
             stage2_accumulation=stage2_accumulation,
             communication=communication,
+            offload_dir=offload_dir,
+            disk_fraction=disk_fraction,
         )
 
     def grad_norm_limitation(self) -> str | None:

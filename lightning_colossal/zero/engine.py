@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig, bucket_numel
+from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder, open_disk_state
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
@@ -55,6 +56,8 @@ class ZeroMemoryReport(NamedTuple):
     optimizer_state_bytes: int
     bucket_bytes: int
     num_parameters: int
+    disk_bytes: int = 0  # optimizer state the disk tier holds for this rank (not in ``optimizer_state_bytes``)
+    disk_staging_bytes: int = 0  # host buffers the disk tier streams that state through during a step
 
 
 class ReducedGradient(NamedTuple):
@@ -121,8 +124,36 @@ class ZeroEngine:
             ShardedMaster(member.name, member.spec, master)
             for member, master in zip(self.members, self.masters, strict=True)
         ]
+        #: The optimizer state of the leading ``disk_fraction`` of the masters on disk between steps, or ``None``.
+        self.disk_state: DiskOptimizerState | None = self._open_disk_tier() if config.disk_fraction > 0 else None
 
     # ---------------------------------------------------------------------------------------------- set-up
+    def _open_disk_tier(self) -> DiskOptimizerState | None:
+        """Records of about one gradient bucket of masters each, the first ``disk_fraction`` of the elements."""
+        config = self.config
+        assert config.offload_dir is not None
+        limit = config.disk_fraction * sum(master.numel() for master in self.masters) * (1 + 1e-9)
+        record_numel = bucket_numel(config.bucket_size_mb)
+        groups: list[list[Tensor]] = []
+        counted = 0
+        for master in self.masters:
+            if counted + master.numel() > limit:
+                break
+            counted += master.numel()
+            if not groups or sum(existing.numel() for existing in groups[-1]) >= record_numel:
+                groups.append([])
+            groups[-1].append(master)
+        if not groups:
+            return None
+        return open_disk_state(
+            self.optimizer,
+            groups,
+            config.offload_dir,
+            rank=collectives.rank(),
+            pin=self.compute_device.type == "cuda",
+            what=f"the optimizer state of {sum(map(len, groups))} of {len(self.masters)} parameter shards",
+        )
+
     def _members(self, in_optimizer: set[int]) -> list[ReducedParameter]:
         # Frozen parameters in the optimizer get no master, gradient slot or state (optimizer_takeover.py [Note:
         # optimizer takeover]).
@@ -238,6 +269,17 @@ class ZeroEngine:
         if reduction_deferred:
             self.reduce_now()
 
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``, streaming the state on disk through the disk tier."""
+        if self.disk_state is None:
+            return optimizer.step(**kwargs)
+        return self.disk_state.step(self.process_group, **kwargs)
+
+    def close_disk_tier(self) -> None:
+        """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
+        if self.disk_state is not None:
+            self.disk_state.close()
+
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica, then clear gradients for the next step."""
         if stepped:
@@ -335,7 +377,9 @@ class ZeroEngine:
     # ---------------------------------------------------------------------------------------------- accounting
     def memory_report(self) -> ZeroMemoryReport:
         def nbytes(tensor: Tensor | None) -> int:
-            return 0 if tensor is None else tensor.numel() * tensor.element_size()
+            if tensor is None or is_placeholder(tensor):
+                return 0  # state on disk: counted in disk_bytes
+            return tensor.numel() * tensor.element_size()
 
         parameters = list(self.module.parameters())
         gradient_bytes = self.reducer.persistent_gradient_bytes() + nbytes(self.master_gradient_buffer)
@@ -354,6 +398,8 @@ class ZeroEngine:
             optimizer_state_bytes=state_bytes,
             bucket_bytes=bucket_bytes,
             num_parameters=sum(parameter.numel() for parameter in parameters),
+            disk_bytes=0 if self.disk_state is None else self.disk_state.planned_bytes,
+            disk_staging_bytes=0 if self.disk_state is None else self.disk_state.staging_bytes,
         )
 
     # ---------------------------------------------------------------------------------------------- checkpoints
@@ -420,6 +466,10 @@ class ZeroEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
+        if self.disk_state is not None:
+            # Read from disk for the checkpoint (the next step binds the records again and drops these copies).
+            sharded_state.initialise_optimizer_state(self.optimizer, self.masters, step=self.disk_state.step)
+            self.disk_state.materialise()
         return sharded_state.optimizer_state_by_name(
             self.optimizer, self.sharded_masters, self.device_mesh, self.describe
         )
@@ -427,6 +477,8 @@ class ZeroEngine:
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
+        if self.disk_state is not None:
+            self.disk_state.store()
 
     def reduce_now(self) -> None:
         """Reduce the gradients accumulated so far, outside of a backward pass (after a pipeline schedule, whose

@@ -1,0 +1,386 @@
+"""Optimizer state on disk between steps, stepped record by record (the engines' disk tier; no Lightning here).
+
+[Note: streaming the optimizer step]
+The user's optimizer (torch's Adam, AdamW, SGD, ...) updates every parameter on its own: its state is per parameter
+and its arithmetic elementwise. So stepping the parameters a few at a time, with each ``param_groups[i]["params"]``
+narrowed to those few for one ``optimizer.step()``, computes exactly what one step over all of them computes, bit for
+bit, with the same hyperparameters (the group dicts themselves are kept, so LR schedulers keep working). That is what
+lets the state live on disk: a *record* (one Gemini chunk's members, or a run of ZeRO's parameter shards) is read into
+a staging buffer, its state tensors are bound into ``optimizer.state`` as views of that buffer, the record is stepped,
+and the buffer is written back, while the next record is read and the previous one written on I/O threads. Host
+memory holds ``STAGING_SLOTS`` records of state, however large the model.
+
+Between steps ``optimizer.state[master][key]`` holds a *placeholder*: a zero-stride view of one zero, shaped like the
+state, so code that only looks at shapes keeps working; nothing may read values from it. Everything that needs the
+values goes through this class (``materialise`` / ``store``: checkpoints). A step of the raw optimizer outside
+``step`` would update placeholders, so it is refused with an error naming the fix.
+
+Optimizers that couple parameters (LBFGS: a closure and one global line search) are refused: stepping a subset would
+change what they compute.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from lightning_colossal.disk.files import DiskTierError, DiskTierFull, TierDirectory, TierFile, align_up, aligned_buffer
+from lightning_colossal.distributed import collectives
+from lightning_colossal.distributed.in_flight import Activity
+
+#: Staging buffers: one being read, one being stepped, one being written.
+STAGING_SLOTS = 3
+#: Each state tensor starts at a multiple of this inside its record (any dtype's alignment).
+_TENSOR_ALIGNMENT = 64
+
+
+@dataclass
+class _Entry:
+    """One state tensor of one master inside a record."""
+
+    master: Tensor
+    key: str
+    dtype: torch.dtype
+    offset: int  # bytes from the record's start
+
+    @property
+    def nbytes(self) -> int:
+        return self.master.numel() * _element_size(self.dtype)
+
+
+@dataclass
+class _Record:
+    masters: list[Tensor]
+    entries: list[_Entry] = field(default_factory=list)
+    nbytes: int = 0
+    file_offset: int = 0
+    written: bool = False  # holds values on disk (after the first step, or a load)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def placeholder(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A tensor shaped like ``like`` backed by one element: stands in for state that lives on disk."""
+    return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
+
+
+def is_placeholder(tensor: Tensor) -> bool:
+    """Whether ``tensor`` stands in for state on disk (``placeholder``)."""
+    return tensor.dim() > 0 and tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+
+
+def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
+    """Per param group, the bytes of optimizer state per parameter element that the disk tier would hold (Adam: 8)."""
+    return [sum(_element_size(dtype) for _, dtype in layout) for layout in _state_layout_by_group(optimizer)]
+
+
+def open_disk_state(
+    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], offload_dir: str, rank: int, pin: bool, what: str
+) -> DiskOptimizerState:
+    """The disk tier for ``groups``' state under ``offload_dir``: its directory made, the room checked and claimed
+    before training starts ([Note: the tier's directory is never a checkpoint] in ``files.py``)."""
+    directory = TierDirectory(offload_dir, rank)
+    try:
+        state = DiskOptimizerState(optimizer, groups, TierFile(directory, "optimizer_state.bin"), pin)
+        directory.check_room(state.planned_bytes, what)
+        state.file.allocate()
+    except BaseException:
+        directory.close()
+        raise
+    return state
+
+
+class DiskOptimizerState:
+    """The state of ``groups``' masters in ``tier_file`` between steps ([Note: streaming the optimizer step]).
+
+    Args:
+        optimizer: the engine's optimizer (its parameters are the engine's masters).
+        groups: the masters whose state goes to disk, one record per group (each a list of master tensors).
+        tier_file: where the records live.
+        pin: stage in pinned memory (when a GPU is present: staged state may be copied to it).
+    """
+
+    def __init__(
+        self, optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], tier_file: TierFile, pin: bool = False
+    ) -> None:
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "The disk tier cannot hold LBFGS's state: LBFGS steps all parameters together through a closure."
+                " Use another optimizer or drop offload_dir / disk_fraction."
+            )
+        self.optimizer = optimizer
+        self.file = tier_file
+        self.pin = pin
+        self.on_disk = {id(master) for group in groups for master in group}
+        moments = _state_layout_by_group(optimizer)
+        group_of = {
+            id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]
+        }
+        self.records: list[_Record] = []
+        for masters in groups:
+            record = _Record(list(masters))
+            offset = 0
+            for master in masters:
+                for key, dtype in moments[group_of[id(master)]]:
+                    offset = -(-offset // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
+                    entry = _Entry(master, key, dtype, offset)
+                    record.entries.append(entry)
+                    offset += entry.nbytes
+            record.nbytes = offset
+            if record.nbytes:
+                record.file_offset = tier_file.reserve(record.nbytes)
+            self.records.append(record)
+        self.records = [record for record in self.records if record.nbytes]
+        # Masters whose optimizer keeps no state shaped like them (plain SGD) step with the resident ones.
+        self.on_disk = {id(entry.master) for record in self.records for entry in record.entries}
+        self.slot_bytes = max((record.nbytes for record in self.records), default=0)
+        self._streaming = False
+        self._guard = optimizer.register_step_pre_hook(self._refuse_outside_streaming) if self.records else None
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def planned_bytes(self) -> int:
+        """Bytes of this rank's state on disk."""
+        return self.file.reserved_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes a step streams the state through."""
+        return min(STAGING_SLOTS, len(self.records)) * align_up(self.slot_bytes)
+
+    def _refuse_outside_streaming(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._streaming:
+            raise RuntimeError(
+                "This optimizer's state lives on disk between steps (offload_dir / disk_fraction), so it cannot be"
+                " stepped directly: step it through the strategy (automatic optimization, or `self.optimizers().step()`"
+                " in manual optimization), which streams the state in and out."
+            )
+
+    def close(self) -> None:
+        """Stop guarding the optimizer, close the file and remove the tier's directory (its state is gone)."""
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+        self.file.close()
+        self.file.directory.close()
+
+    # ------------------------------------------------------------------------------------------------------ stepping
+    def step(self, group: ProcessGroup | None = None, **kwargs: Any) -> Any:
+        """One optimizer step of every master: the resident ones at once, then the records streamed through
+        ``STAGING_SLOTS`` buffers ([Note: streaming the optimizer step]).
+
+        With ``group``, the ranks agree afterwards whether any rank's disk failed (one small all-reduce), so a full
+        disk on one rank stops every rank at once with an error, instead of leaving the others waiting in the next
+        collective.
+        """
+        failure: DiskTierError | None = None
+        output = None
+        try:
+            output = self._step(**kwargs)
+        except DiskTierError as error:
+            failure = error
+        if group is not None and collectives.world_size(group) > 1:
+            flag = torch.tensor([0 if failure is None else 2 if isinstance(failure, DiskTierFull) else 1])
+            with Activity("agreeing whether every rank's disk tier stepped"):
+                collectives.all_reduce(flag, op="max", group=group)
+            if failure is None and flag.item():
+                kind = DiskTierFull if flag.item() == 2 else DiskTierError
+                raise kind(
+                    f"Another rank's disk tier failed{' (its disk is full)' if flag.item() == 2 else ''} in this"
+                    f" optimizer step (this rank's tier is under {self.file.directory.parent}); that rank's error says"
+                    " why. Every rank stopped; the last checkpoint is intact (checkpoints are written atomically)."
+                )
+        if failure is not None:
+            raise failure
+        return output
+
+    def _step(self, **kwargs: Any) -> Any:
+        if kwargs.get("closure") is not None:
+            raise ValueError("The disk tier steps the optimizer record by record and cannot run a closure in step().")
+        resident = {
+            id(master)
+            for group in self.optimizer.param_groups
+            for master in group["params"]
+            if id(master) not in self.on_disk
+        }
+        output = None
+        if resident:
+            output = self._step_only(resident)
+        if not self.records:
+            return output
+        slots: deque[Tensor] = deque(
+            aligned_buffer(self.slot_bytes, self.pin) for _ in range(min(STAGING_SLOTS, len(self.records)))
+        )
+        writes: deque[tuple[Future[None], Tensor]] = deque()
+        reads: dict[int, tuple[Future[None] | None, Tensor]] = {}
+
+        def take_slot() -> Tensor:
+            if not slots:
+                finished, slot = writes.popleft()
+                finished.result()
+                slots.append(slot)
+            return slots.popleft()
+
+        def start_read(index: int) -> None:
+            record = self.records[index]
+            slot = take_slot()
+            future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None
+            reads[index] = (future, slot)
+
+        try:
+            start_read(0)
+            for index, record in enumerate(self.records):
+                if index + 1 < len(self.records):
+                    start_read(index + 1)
+                future, slot = reads.pop(index)
+                if future is not None:
+                    future.result()
+                    self.bytes_read += _io_bytes(record)
+                if record.written:
+                    self._bind(record, slot)
+                output = self._step_only({id(master) for master in record.masters})
+                self._copy_in(record, slot)
+                writes.append((self.file.write(record.file_offset, slot[: _io_bytes(record)]), slot))
+                self.bytes_written += _io_bytes(record)
+                record.written = True
+                self._unbind(record)
+            while writes:
+                writes.popleft()[0].result()
+        finally:
+            # An I/O error leaves no thread writing into buffers that are about to be freed.
+            for pending, _ in writes:
+                pending.exception()
+            for pending, _ in reads.values():
+                if pending is not None:
+                    pending.exception()
+        return output
+
+    def _step_only(self, keep: set[int]) -> Any:
+        with _narrowed(self.optimizer, keep):
+            self._streaming = True
+            try:
+                return self.optimizer.step()
+            finally:
+                self._streaming = False
+
+    def _bind(self, record: _Record, slot: Tensor) -> None:
+        for entry in record.entries:
+            self.optimizer.state[entry.master][entry.key] = _view(slot, entry)
+
+    def _copy_in(self, record: _Record, slot: Tensor) -> None:
+        """After a record's step: make sure the slot holds its state (the first step creates fresh tensors)."""
+        for entry in record.entries:
+            value = self.optimizer.state[entry.master].get(entry.key)
+            if value is None:
+                raise DiskTierError(
+                    f"The optimizer ({type(self.optimizer).__name__}) did not create state {entry.key!r} for a"
+                    " parameter in its first step, though a trial step on one element did: the disk tier cannot lay"
+                    " out its state. Use a per-parameter optimizer (Adam, AdamW, SGD, ...) or drop offload_dir."
+                )
+            target = _view(slot, entry)
+            if value.data_ptr() != target.data_ptr():
+                target.copy_(value)
+
+    def _unbind(self, record: _Record) -> None:
+        for entry in record.entries:
+            self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
+
+    # ------------------------------------------------------------------------------------------------------ checkpoints
+    def materialise(self) -> None:
+        """Read every record into fresh tensors in ``optimizer.state`` (for a checkpoint; ``store`` undoes it)."""
+        for record in self.records:
+            if not record.written:
+                continue
+            buffer = aligned_buffer(record.nbytes)
+            self.file.read_now(record.file_offset, buffer[: _io_bytes(record)])
+            for entry in record.entries:
+                self.optimizer.state[entry.master][entry.key] = _view(buffer, entry).clone()
+
+    def store(self) -> None:
+        """Write the state tensors now in ``optimizer.state`` to their records and put placeholders back."""
+        for record in self.records:
+            state_present = all(
+                isinstance(self.optimizer.state.get(entry.master, {}).get(entry.key), Tensor)
+                and not is_placeholder(self.optimizer.state[entry.master][entry.key])
+                for entry in record.entries
+            )
+            if not state_present:
+                continue
+            buffer = aligned_buffer(record.nbytes)
+            self._copy_in(record, buffer)
+            self.file.write_now(record.file_offset, buffer[: _io_bytes(record)])
+            record.written = True
+            self._unbind(record)
+
+    @contextmanager
+    def materialised(self) -> Iterator[None]:
+        self.materialise()
+        try:
+            yield
+        finally:
+            self.store()
+
+
+def _io_bytes(record: _Record) -> int:
+    return align_up(record.nbytes)
+
+
+def _view(buffer: Tensor, entry: _Entry) -> Tensor:
+    return buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.master.shape)
+
+
+@contextmanager
+def _narrowed(optimizer: Optimizer, keep: set[int]) -> Iterator[None]:
+    """Each param group holds only the parameters in ``keep`` (same group dicts: hyperparameters untouched)."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = [parameter for parameter in params if id(parameter) in keep]
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params
+
+
+def _state_layout_by_group(optimizer: Optimizer) -> list[list[tuple[str, torch.dtype]]]:
+    """Per param group, the state tensors the optimizer keeps shaped like a parameter (key and dtype), found by one
+    trial step of a fresh optimizer of the same class and settings on a two-element parameter."""
+    layouts = []
+    for group in optimizer.param_groups:
+        settings = {key: value for key, value in group.items() if key != "params"}
+        probe = torch.zeros(2, dtype=torch.float32, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            trial = type(optimizer)([{"params": [probe], **settings}], **_constructor_defaults(optimizer))
+            trial.step()
+        except Exception as error:  # noqa: BLE001 - any failure means the layout cannot be known up front
+            raise ValueError(
+                f"The disk tier could not lay out the state of {type(optimizer).__name__}: a trial step on one"
+                f" parameter failed ({error}). Use a per-parameter optimizer (Adam, AdamW, SGD, ...) or drop"
+                " offload_dir."
+            ) from error
+        layouts.append(
+            [
+                (key, value.dtype)
+                for key, value in trial.state[probe].items()
+                if isinstance(value, Tensor) and value.shape == probe.shape
+            ]
+        )
+    return layouts
+
+
+def _constructor_defaults(optimizer: Optimizer) -> dict[str, Any]:
+    """Constructor arguments for a trial copy: torch optimizers need ``lr`` positionally in some versions."""
+    return {"lr": optimizer.defaults["lr"]} if "lr" in optimizer.defaults else {}

@@ -1,0 +1,254 @@
+"""The disk tier (``lightning_colossal/disk``) under Gemini (static and automatic placement) and ZeRO offload.
+
+Exactness: a run with optimizer state on disk equals the same run with it in memory bit for bit (the streamed step
+narrows the optimizer to a few parameters at a time: [Note: streaming the optimizer step]), with AdamW and with SGD
+momentum, fp32 and bf16-true, and matches the single-process oracle. Crash safety: the tier's directory exists only
+while its engine does, is never mistaken for a checkpoint, and a full disk is an error before training (free space
+checked against the planned bytes) or, mid-run, an error naming the directory with the last checkpoint intact.
+Checkpoints: a checkpoint saved with the disk tier resumes under another strategy exactly like one saved without it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_colossal import AutoPlacement, GeminiStrategy, StaticPlacement, ZeroStrategy
+from lightning_colossal.disk.files import TIER_PREFIX, DiskTierFull
+from tests.distributed.oracle import assert_matches_oracle, float_state, new_module, oracle_train, quiet_trainer
+
+STEPS = 4
+SMALL_CHUNKS = 1100  # two chunks of RegressionModule (test_gemini_oracle.py)
+
+
+def _strategy(kind: str, offload_dir: str | None, **extra: Any) -> Any:
+    if kind == "gemini-static":
+        placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0 if offload_dir else 0.0)
+        return GeminiStrategy(placement=placement, chunk_numel=SMALL_CHUNKS, offload_dir=offload_dir, **extra)
+    if kind == "gemini-half-on-disk":
+        # Only the first chunk's state on disk: the second steps in memory in the same optimizer step.
+        placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=0.5 if offload_dir else 0.0)
+        return GeminiStrategy(placement=placement, chunk_numel=SMALL_CHUNKS, offload_dir=offload_dir, **extra)
+    if kind == "gemini-auto":
+        # 10 kB of host memory: the model state of RegressionModule needs about 17 kB per rank with AdamW, so the
+        # budget sends some optimizer state to disk (asserted below through the engine's report).
+        placement = AutoPlacement(host_memory_budget=10_000 if offload_dir else None)
+        return GeminiStrategy(placement=placement, chunk_numel=SMALL_CHUNKS, offload_dir=offload_dir, **extra)
+    if kind == "zero2-offload":
+        # A tiny bucket size: several records, so reads, steps and writes overlap.
+        return ZeroStrategy(
+            stage=2,
+            cpu_offload=True,
+            bucket_size_mb=0.001,
+            offload_dir=offload_dir,
+            disk_fraction=1.0 if offload_dir else 0.0,
+            **extra,
+        )
+    raise AssertionError(kind)
+
+
+def _train_body(
+    kind: str, offload_dir: str | None, precision: str, optimizer: str, steps: int = STEPS
+) -> dict[str, Any]:
+    module = new_module()
+    if optimizer == "sgd":
+
+        def configure_optimizers() -> Any:
+            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    trainer = quiet_trainer(
+        strategy=_strategy(kind, offload_dir),
+        devices=torch.distributed.get_world_size(),
+        max_steps=steps,
+        precision=precision,
+    )
+    tier_directories: list[str] = []
+    trainer.fit(module)
+    engine = trainer.strategy.engine
+    report = engine.memory_report()
+    disk_state = engine.disk_state
+    if disk_state is not None:
+        tier_directories.append(str(disk_state.file.directory.path))
+        assert Path(tier_directories[0]).is_dir()
+        assert (Path(tier_directories[0]) / "NOT_A_CHECKPOINT.txt").exists()
+    return {
+        "losses": module.micro_batch_losses,
+        "parameters": float_state(module),
+        "disk_bytes": report.disk_bytes,
+        "tier_directories": tier_directories,
+    }
+
+
+@pytest.mark.parametrize("kind", ["gemini-static", "gemini-half-on-disk", "gemini-auto", "zero2-offload"])
+def test_disk_tier_equals_memory_bit_for_bit(rank_pool_2, tmp_path, kind):
+    on_disk = rank_pool_2.run(_train_body, kind, str(tmp_path), "32-true", "adamw")
+    in_memory = rank_pool_2.run(_train_body, kind, None, "32-true", "adamw")
+    for disk_rank, memory_rank in zip(on_disk, in_memory, strict=True):
+        assert disk_rank["disk_bytes"] > 0, "nothing went to disk: the test would not test the tier"
+        assert memory_rank["disk_bytes"] == 0
+        assert disk_rank["losses"] == memory_rank["losses"]
+        for name, value in memory_rank["parameters"].items():
+            assert torch.equal(disk_rank["parameters"][name], value), name
+    assert_matches_oracle(on_disk, oracle_train(world_size=2, steps=STEPS), accumulate=1, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision", "optimizer"),
+    [("gemini-static", "bf16-true", "adamw"), ("zero2-offload", "32-true", "sgd"), ("gemini-static", "32-true", "sgd")],
+)
+def test_disk_tier_exact_for_other_precisions_and_optimizers(rank_pool_2, tmp_path, kind, precision, optimizer):
+    on_disk = rank_pool_2.run(_train_body, kind, str(tmp_path), precision, optimizer)
+    in_memory = rank_pool_2.run(_train_body, kind, None, precision, optimizer)
+    for disk_rank, memory_rank in zip(on_disk, in_memory, strict=True):
+        assert disk_rank["disk_bytes"] > 0
+        for name, value in memory_rank["parameters"].items():
+            assert torch.equal(disk_rank["parameters"][name], value), name
+
+
+def _tier_lifetime_body(offload_dir: str) -> dict[str, Any]:
+    import gc
+
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("gemini-static", offload_dir), devices=torch.distributed.get_world_size(), max_steps=2
+    )
+    trainer.fit(module)
+    during = sorted(path.name for path in Path(offload_dir).glob(f"{TIER_PREFIX}*"))
+    trainer.strategy.engine.close_disk_tier()
+    after_close = sorted(path.name for path in Path(offload_dir).glob(f"{TIER_PREFIX}*"))
+    del trainer, module
+    gc.collect()
+    return {"during": during, "after": after_close}
+
+
+def test_tier_directory_per_rank_and_removed_when_closed(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(_tier_lifetime_body, str(tmp_path))
+    names = {name for result in results for name in result["during"]}
+    assert len(names) == 2, names  # one per rank, never shared
+    assert all(result["after"] == [] or set(result["after"]) < names for result in results)
+    assert not list(tmp_path.glob(f"{TIER_PREFIX}*")), "a closed tier left its directory behind"
+
+
+def _disk_full_before_training_body(offload_dir: str) -> str:
+    import shutil
+
+    real = shutil.disk_usage
+
+    def tiny(path: Any) -> Any:
+        usage = real(path)
+        return usage._replace(free=100)
+
+    shutil.disk_usage = tiny  # type: ignore[assignment]
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2-offload", offload_dir), devices=torch.distributed.get_world_size(), max_steps=2
+    )
+    try:
+        trainer.fit(module)
+    except DiskTierFull as error:
+        return f"{trainer.global_step}|{error}"
+    finally:
+        shutil.disk_usage = real  # type: ignore[assignment]
+    return "trained"
+
+
+def test_full_disk_is_refused_before_training(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(_disk_full_before_training_body, str(tmp_path))
+    for result in results:
+        step, message = result.split("|", 1)
+        assert step == "0"
+        assert str(tmp_path.resolve()) in message and "Nothing was written" in message
+    assert not list(tmp_path.glob(f"{TIER_PREFIX}*")), "the refused tier left its directory"
+
+
+def _disk_fills_mid_run_body(offload_dir: str, checkpoint_dir: str) -> dict[str, Any]:
+    from lightning_colossal.disk import files
+
+    real_pwritev = os.pwritev
+    calls = {"count": 0}
+
+    def failing_after_a_while(descriptor: int, buffers: Any, offset: int) -> int:
+        calls["count"] += 1
+        if calls["count"] > 12:  # a few steps in (each step writes a few records)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwritev(descriptor, buffers, offset)
+
+    files.os.pwritev = failing_after_a_while  # type: ignore[attr-defined]
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2-offload", offload_dir),
+        devices=torch.distributed.get_world_size(),
+        max_steps=50,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=1, save_top_k=1)],
+    )
+    message = ""
+    try:
+        trainer.fit(module)
+    except DiskTierFull as error:
+        message = str(error)
+    finally:
+        files.os.pwritev = real_pwritev  # type: ignore[attr-defined]
+    return {"message": message, "step": trainer.global_step}
+
+
+def _resume_body(checkpoint: str) -> dict[str, Any]:
+    module = new_module()
+    trainer = quiet_trainer(strategy=ZeroStrategy(stage=2), devices=torch.distributed.get_world_size(), max_steps=1)
+    trainer.fit(module, ckpt_path=checkpoint)
+    return {"step": trainer.global_step}
+
+
+@pytest.mark.slow
+def test_disk_filling_mid_run_names_the_directory_and_keeps_the_last_checkpoint(rank_pool_2, tmp_path):
+    tier = tmp_path / "tier"
+    checkpoints = tmp_path / "checkpoints"
+    results = rank_pool_2.run(_disk_fills_mid_run_body, str(tier), str(checkpoints))
+    assert all(result["message"] for result in results), results  # every rank stopped with the tier's error
+    assert all(str(tier.resolve()) in result["message"] for result in results)
+    assert any("ran out of space" in result["message"] for result in results)
+    saved = sorted(checkpoints.glob("*.ckpt"))
+    assert len(saved) == 1, saved
+    resumed = rank_pool_2.run(_resume_body, str(saved[0]))
+    assert all(result["step"] >= 1 for result in resumed)
+
+
+def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str, Any]:
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy(kind, offload_dir), devices=torch.distributed.get_world_size(), max_steps=3
+    )
+    trainer.fit(module)
+    trainer.save_checkpoint(checkpoint)
+    return {}
+
+
+def _resume_and_train_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str, Any]:
+    module = new_module()
+    strategy = _strategy(kind, offload_dir) if kind != "ddp" else "colossal_ddp"
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6)
+    trainer.fit(module, ckpt_path=checkpoint)
+    return {"parameters": float_state(module)}
+
+
+@pytest.mark.parametrize("kind", ["gemini-static", "zero2-offload"])
+def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2, tmp_path, kind):
+    with_disk = str(tmp_path / "with_disk.ckpt")
+    without = str(tmp_path / "without.ckpt")
+    rank_pool_2.run(_save_body, kind, str(tmp_path / "tier"), with_disk)
+    rank_pool_2.run(_save_body, kind, None, without)
+    # Resume the disk tier's checkpoint with the disk tier, in memory, and under colossal_ddp: each equals resuming
+    # the checkpoint saved without the tier the same way.
+    for resume_kind, resume_dir in [(kind, str(tmp_path / "tier2")), (kind, None), ("ddp", None)]:
+        from_disk = rank_pool_2.run(_resume_and_train_body, resume_kind, resume_dir, with_disk)
+        from_memory = rank_pool_2.run(_resume_and_train_body, resume_kind, resume_dir, without)
+        for a, b in zip(from_disk, from_memory, strict=True):
+            for name, value in b["parameters"].items():
+                assert torch.equal(a["parameters"][name], value), (resume_kind, resume_dir, name)
