@@ -85,6 +85,10 @@ class StepsOptimizer(Protocol):
         """What ``optimizer.step(**kwargs)`` does, however the engine keeps the optimizer's state."""
         ...
 
+    def close_disk_tier(self) -> None:
+        """Remove the optimizer state the engine keeps on disk (the engine is being dropped)."""
+        ...
+
 
 @runtime_checkable
 class MemoryReporting(Protocol):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_colossal.checkpoint.format import CheckpointDescription
+from lightning_colossal.disk.files import is_tier_directory
 
 META_FILENAME = "meta.pt"
 DCP_METADATA_FILENAME = ".metadata"
@@ -133,6 +134,12 @@ def locate_checkpoint(path: str | Path) -> CheckpointFiles:
         ValueError: ``path`` exists but is not a checkpoint (e.g. an unfinished save or an unrelated directory).
     """
     path = Path(path)
+    if is_tier_directory(path):
+        raise ValueError(
+            f"{path} is (inside) the working directory of a lightning_colossal disk tier (offload_dir), not a"
+            " checkpoint: it holds optimizer state between two steps of one run and cannot be resumed from. Pass a"
+            " checkpoint file (e.g. `.../checkpoints/last.ckpt`)."
+        )
     if is_sharded_directory(path):
         return CheckpointFiles(CheckpointKind.SHARDED_DIRECTORY, path, shards=path)
     if path.is_file():

@@ -41,10 +41,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_colossal.distributed import device as devices
+
+_HOST = torch.device("cpu")
 TIER_PREFIX = "lightning_colossal-disk-tier-"
 MARKER_FILENAME = "NOT_A_CHECKPOINT.txt"
 LOCK_FILENAME = "owner.lock"
 OWNER_FILENAME = "owner.json"
+_CREATING_SUFFIX = ".creating"
+#: A hidden directory still being created after this long belongs to a process killed while creating it.
+_CREATION_GRACE_SECONDS = 60.0
 #: Offsets, lengths and buffer addresses of direct I/O are multiples of this (the largest logical block size in
 #: common use).
 ALIGNMENT = 4096
@@ -70,11 +76,11 @@ def align_up(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def aligned_buffer(nbytes: int, pin: bool = False) -> Tensor:
+def aligned_buffer(nbytes: int, beside: torch.device = _HOST) -> Tensor:
     """A ``uint8`` CPU tensor of ``align_up(nbytes)`` bytes whose address is a multiple of ``ALIGNMENT`` (pinned when
-    ``pin``, for copies to and from a GPU)."""
+    ``beside`` is an accelerator, for copies to and from it)."""
     size = align_up(nbytes)
-    backing = torch.empty(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
+    backing = devices.host_buffer(size + ALIGNMENT, torch.uint8, beside=beside)
     skip = (-backing.data_ptr()) % ALIGNMENT
     return backing[skip : skip + size]
 
@@ -107,15 +113,19 @@ class TierDirectory:
         self.removed_stale = remove_stale_directories(self.parent)
         name = f"{TIER_PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
         self.path = self.parent / name
+        # Made under a hidden name and locked before it gets its real one: another run's stale scan never sees a
+        # tier directory whose lock is not yet held.
+        creating = self.parent / f".{name}{_CREATING_SUFFIX}"
         try:
-            self.path.mkdir()
-            (self.path / MARKER_FILENAME).write_text(_MARKER_TEXT)
-            owner = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "created": time.time()}
-            (self.path / OWNER_FILENAME).write_text(json.dumps(owner))
-            self._lock = os.open(self.path / LOCK_FILENAME, os.O_RDWR | os.O_CREAT, 0o600)
+            creating.mkdir()
+            self._lock = os.open(creating / LOCK_FILENAME, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            (creating / MARKER_FILENAME).write_text(_MARKER_TEXT)
+            owner = {"host": socket.gethostname(), "pid": os.getpid(), "rank": rank, "created": time.time()}
+            (creating / OWNER_FILENAME).write_text(json.dumps(owner))
+            creating.rename(self.path)
         except OSError as error:
-            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(creating, ignore_errors=True)
             raise _explained(error, self.path, "creating the disk tier's directory") from error
         self._finalizer = weakref.finalize(self, _remove, self.path, self._lock)
 
@@ -162,27 +172,35 @@ def remove_stale_directories(parent: Path) -> list[Path]:
     """Remove the tier directories under ``parent`` whose owner is gone (its lock can be taken); returns them."""
     removed = []
     for candidate in parent.glob(f"{TIER_PREFIX}*"):
-        lock_path = candidate / LOCK_FILENAME
-        if not candidate.is_dir() or not (candidate / MARKER_FILENAME).exists():
-            continue
-        try:
-            lock = os.open(lock_path, os.O_RDWR)
-        except FileNotFoundError:
-            # Killed between creating the directory and its lock: nobody can own it.
+        if candidate.is_dir() and (candidate / MARKER_FILENAME).exists() and _owner_gone(candidate):
             shutil.rmtree(candidate, ignore_errors=True)
             removed.append(candidate)
-            continue
-        except OSError:
-            continue
+    for creating in parent.glob(f".{TIER_PREFIX}*{_CREATING_SUFFIX}"):
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            old = time.time() - creating.stat().st_mtime > _CREATION_GRACE_SECONDS
         except OSError:
-            os.close(lock)
-            continue  # a live run holds it
-        shutil.rmtree(candidate, ignore_errors=True)
-        os.close(lock)
-        removed.append(candidate)
+            continue
+        if old and _owner_gone(creating):
+            shutil.rmtree(creating, ignore_errors=True)
+            removed.append(creating)
     return removed
+
+
+def _owner_gone(directory: Path) -> bool:
+    """Whether no live process holds ``directory``'s lock (taking it proves it; the kernel drops a dead owner's)."""
+    try:
+        lock = os.open(directory / LOCK_FILENAME, os.O_RDWR)
+    except FileNotFoundError:
+        return True  # killed before it made its lock
+    except OSError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # a live run holds it
+    finally:
+        os.close(lock)
+    return True
 
 
 class TierFile:
@@ -211,6 +229,7 @@ class TierFile:
             self._direct = None  # tmpfs and some network filesystems: buffered I/O, dropped from the page cache
             self.direct_io = False
         self.reserved_bytes = 0
+        self.closed = False
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="disk-tier-io")
 
     def reserve(self, nbytes: int) -> int:
@@ -273,11 +292,14 @@ class TierFile:
             raise _explained(error, self.path, doing) from error
 
     def close(self) -> None:
+        """Wait for I/O in flight and close the file (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
         self._pool.shutdown(wait=True)
         for descriptor in (self._direct, self._buffered):
             if descriptor is not None:
                 os.close(descriptor)
-        self._direct = None
 
 
 def _explained(error: OSError, path: Path, doing: str) -> DiskTierError:

@@ -37,6 +37,7 @@ from lightning_colossal.disk.files import DiskTierError, DiskTierFull, TierDirec
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 
+_HOST = torch.device("cpu")
 #: Staging buffers: one being read, one being stepped, one being written.
 STAGING_SLOTS = 3
 #: Each state tensor starts at a multiple of this inside its record (any dtype's alignment).
@@ -86,13 +87,18 @@ def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
 
 
 def open_disk_state(
-    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], offload_dir: str, rank: int, pin: bool, what: str
+    optimizer: Optimizer,
+    groups: Sequence[Sequence[Tensor]],
+    offload_dir: str,
+    rank: int,
+    beside: torch.device,
+    what: str,
 ) -> DiskOptimizerState:
     """The disk tier for ``groups``' state under ``offload_dir``: its directory made, the room checked and claimed
     before training starts ([Note: the tier's directory is never a checkpoint] in ``files.py``)."""
     directory = TierDirectory(offload_dir, rank)
     try:
-        state = DiskOptimizerState(optimizer, groups, TierFile(directory, "optimizer_state.bin"), pin)
+        state = DiskOptimizerState(optimizer, groups, TierFile(directory, "optimizer_state.bin"), beside)
         directory.check_room(state.planned_bytes, what)
         state.file.allocate()
     except BaseException:
@@ -108,11 +114,15 @@ class DiskOptimizerState:
         optimizer: the engine's optimizer (its parameters are the engine's masters).
         groups: the masters whose state goes to disk, one record per group (each a list of master tensors).
         tier_file: where the records live.
-        pin: stage in pinned memory (when a GPU is present: staged state may be copied to it).
+        beside: the compute device (staging buffers are pinned beside an accelerator).
     """
 
     def __init__(
-        self, optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], tier_file: TierFile, pin: bool = False
+        self,
+        optimizer: Optimizer,
+        groups: Sequence[Sequence[Tensor]],
+        tier_file: TierFile,
+        beside: torch.device = _HOST,
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -121,7 +131,7 @@ class DiskOptimizerState:
             )
         self.optimizer = optimizer
         self.file = tier_file
-        self.pin = pin
+        self.beside = beside
         self.on_disk = {id(master) for group in groups for master in group}
         moments = _state_layout_by_group(optimizer)
         group_of = {
@@ -173,6 +183,11 @@ class DiskOptimizerState:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        # The placeholders go too: nothing may later read zeros as this state.
+        for record in self.records:
+            for entry in record.entries:
+                self.optimizer.state.get(entry.master, {}).pop(entry.key, None)
+        self.records = []
         self.file.close()
         self.file.directory.close()
 
@@ -221,7 +236,7 @@ class DiskOptimizerState:
         if not self.records:
             return output
         slots: deque[Tensor] = deque(
-            aligned_buffer(self.slot_bytes, self.pin) for _ in range(min(STAGING_SLOTS, len(self.records)))
+            aligned_buffer(self.slot_bytes, self.beside) for _ in range(min(STAGING_SLOTS, len(self.records)))
         )
         writes: deque[tuple[Future[None], Tensor]] = deque()
         reads: dict[int, tuple[Future[None] | None, Tensor]] = {}

@@ -207,7 +207,7 @@ class GeminiEngine:
             groups,
             self.config.offload_dir,
             rank=collectives.rank(),
-            pin=self.compute_device.type == "cuda",
+            beside=self.compute_device,
             what=f"the optimizer state of {len(groups)} of {len(trainable)} chunks",
         )
 
@@ -426,6 +426,7 @@ class GeminiEngine:
         """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
         if self.disk_state is not None:
             self.disk_state.close()
+            self.disk_state = None
 
 
 def _held_parameters(optimizer: Optimizer | None, module: nn.Module) -> set[int] | None:

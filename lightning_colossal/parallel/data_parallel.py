@@ -69,6 +69,9 @@ class GradientAverager:
         """A plain step: the state is whole in memory."""
         return optimizer.step(**kwargs)
 
+    def close_disk_tier(self) -> None:
+        """No state on disk."""
+
     def after_step(self, stepped: bool) -> None:
         """Nothing to publish: every rank stepped the same averaged gradients."""
 

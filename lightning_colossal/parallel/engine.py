@@ -215,6 +215,10 @@ class HybridEngine:
             return optimizer.step(**kwargs)
         return self.data_parallel.step_optimizer(optimizer, **kwargs)
 
+    def close_disk_tier(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.close_disk_tier()
+
     def after_step(self, stepped: bool) -> None:
         if self.data_parallel is not None:
             self.data_parallel.after_step(stepped)

@@ -95,7 +95,7 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
             self.engine = None
         if not fitting:
             return self._build_engine(trainer, None)
-        self._fitted_engine = None
+        self._drop_fitted_engine()
         optimizer = self._setup_single_optimizer(
             trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
         )
@@ -111,8 +111,14 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         """The module's weights are being replaced outside ``fit``: the last fit's optimizer state no longer belongs
         to them."""
         if self._fitted_engine is not None and self._fitted_engine is not self.engine:
-            self._fitted_engine = None
+            self._drop_fitted_engine()
             self._drop_optimizers_of_earlier_fit()
+
+    def _drop_fitted_engine(self) -> None:
+        """Forget the last fit's engine; optimizer state it keeps on disk goes now rather than at exit."""
+        if isinstance(self._fitted_engine, StepsOptimizer):
+            self._fitted_engine.close_disk_tier()
+        self._fitted_engine = None
 
     def _build_engine(self, trainer: pl.Trainer, optimizer: Optimizer | None) -> EngineT | None:
         """A new engine over the prepared model and ``optimizer`` (``None`` outside fitting); ``None`` when the mode

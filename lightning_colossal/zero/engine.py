@@ -150,7 +150,7 @@ class ZeroEngine:
             groups,
             config.offload_dir,
             rank=collectives.rank(),
-            pin=self.compute_device.type == "cuda",
+            beside=self.compute_device,
             what=f"the optimizer state of {sum(map(len, groups))} of {len(self.masters)} parameter shards",
         )
 
@@ -279,6 +279,7 @@ class ZeroEngine:
         """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
         if self.disk_state is not None:
             self.disk_state.close()
+            self.disk_state = None
 
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica, then clear gradients for the next step."""

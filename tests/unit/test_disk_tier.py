@@ -1,0 +1,241 @@
+"""The disk tier's pieces on one process: files, crash cleanup, the streamed optimizer step, placement by host budget,
+and the settings' checks (the engines under it: tests/distributed/test_disk_tier.py)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_colossal.checkpoint.layout import locate_checkpoint
+from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement, ZeroConfig
+from lightning_colossal.disk import files
+from lightning_colossal.disk.files import (
+    TIER_PREFIX,
+    DiskTierFull,
+    TierDirectory,
+    TierFile,
+    aligned_buffer,
+    is_tier_directory,
+)
+from lightning_colossal.disk.optimizer_state import (
+    DiskOptimizerState,
+    is_placeholder,
+    open_disk_state,
+    state_bytes_per_element,
+)
+from lightning_colossal.gemini.placement import HostBudgetTooSmall, disk_by_host_budget
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adam-amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3, momentum=0.5),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-2),
+}
+
+
+def _groups(params: list[torch.Tensor]) -> list[dict]:
+    return [{"params": params[:2]}, {"params": params[2:], "lr": 0.005}]
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_streamed_step_equals_one_step_bit_for_bit(tmp_path, name):
+    torch.manual_seed(0)
+    params = [torch.randn(numel, requires_grad=True) for numel in (1000, 333, 4097, 10, 77)]
+    reference = [param.detach().clone().requires_grad_() for param in params]
+    optimizer = OPTIMIZERS[name](_groups(params))
+    reference_optimizer = OPTIMIZERS[name](_groups(reference))
+    # Records across param groups, one parameter (index 1) left in memory.
+    state = open_disk_state(
+        optimizer, [[params[0]], [params[2], params[3]], [params[4]]], str(tmp_path), 0, torch.device("cpu"), "t"
+    )
+    for _ in range(4):
+        for param, twin in zip(params, reference, strict=True):
+            gradient = torch.randn_like(param)
+            param.grad, twin.grad = gradient.clone(), gradient.clone()
+        state.step()
+        reference_optimizer.step()
+    for param, twin in zip(params, reference, strict=True):
+        assert torch.equal(param, twin)
+    moment = state.records[0].entries[0].key
+    assert is_placeholder(optimizer.state[params[0]][moment])  # between steps the state is on disk only
+    assert not is_placeholder(optimizer.state[params[1]][moment])  # the parameter left in memory
+    assert state.bytes_read > 0 and state.bytes_written > state.bytes_read  # the first step only writes
+    with state.materialised():
+        for param, twin in zip(params, reference, strict=True):
+            for key, value in reference_optimizer.state[twin].items():
+                assert torch.equal(optimizer.state[param][key], value), key
+    assert is_placeholder(optimizer.state[params[0]][moment])
+    directory = state.file.directory.path
+    state.close()
+    assert not directory.exists()
+    assert moment not in optimizer.state[params[0]]  # no placeholder left to be read as zeros
+
+
+def test_state_bytes_per_element_follow_the_optimizer():
+    param = torch.zeros(3, requires_grad=True)
+    assert state_bytes_per_element(torch.optim.AdamW([param])) == [8]
+    assert state_bytes_per_element(torch.optim.Adam([param], amsgrad=True)) == [12]
+    assert state_bytes_per_element(torch.optim.SGD([param], lr=0.1, momentum=0.9)) == [4]
+    assert state_bytes_per_element(torch.optim.SGD([param], lr=0.1)) == [0]
+
+
+def test_raw_step_closure_and_lbfgs_are_refused(tmp_path):
+    param = torch.randn(100, requires_grad=True)
+    param.grad = torch.randn(100)
+    optimizer = torch.optim.AdamW([param])
+    state = open_disk_state(optimizer, [[param]], str(tmp_path), 0, torch.device("cpu"), "t")
+    with pytest.raises(RuntimeError, match="step it through the strategy"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="closure"):
+        state.step(closure=lambda: 0.0)
+    state.close()
+    lbfgs_param = torch.randn(4, requires_grad=True)
+    directory = TierDirectory(tmp_path, 0)
+    with pytest.raises(ValueError, match="LBFGS"):
+        DiskOptimizerState(torch.optim.LBFGS([lbfgs_param]), [[lbfgs_param]], TierFile(directory, "x"))
+    directory.close()
+
+
+def test_plain_sgd_keeps_nothing_on_disk(tmp_path):
+    param = torch.randn(50, requires_grad=True)
+    param.grad = torch.ones(50)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    state = open_disk_state(optimizer, [[param]], str(tmp_path), 0, torch.device("cpu"), "t")
+    assert state.records == [] and state.planned_bytes == 0
+    before = param.detach().clone()
+    state.step()
+    assert torch.equal(param, before - 0.1)
+    state.close()
+
+
+def test_unaligned_buffers_and_odd_sizes_round_trip(tmp_path):
+    directory = TierDirectory(tmp_path, 0)
+    tier = TierFile(directory, "records.bin")
+    first, second = tier.reserve(5000), tier.reserve(3 * files.BLOCK_BYTES + 17)
+    tier.allocate()
+    data = torch.arange(5000, dtype=torch.uint8)
+    tier.write(first, data).result()  # an unaligned, odd-sized buffer: buffered I/O
+    big = aligned_buffer(3 * files.BLOCK_BYTES + 17)
+    big.random_(0, 255)
+    tier.write_now(second, big)  # aligned: direct I/O where the filesystem allows it, in several blocks
+    back, big_back = torch.empty(5000, dtype=torch.uint8), aligned_buffer(big.numel())
+    tier.read(first, back).result()
+    tier.read_now(second, big_back)
+    assert torch.equal(back, data) and torch.equal(big_back, big)
+    tier.close()
+    tier.close()  # idempotent
+    directory.close()
+
+
+def test_a_full_disk_names_the_directory(tmp_path, monkeypatch):
+    directory = TierDirectory(tmp_path, 0)
+    with pytest.raises(DiskTierFull, match="Nothing was written"):
+        directory.check_room(directory.free_bytes() + 1, "the optimizer state")
+    tier = TierFile(directory, "records.bin")
+    offset = tier.reserve(4096)
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "pwritev", full)
+    with pytest.raises(DiskTierFull) as raised:
+        tier.write_now(offset, aligned_buffer(4096))
+    assert str(tmp_path.resolve()) in str(raised.value) and "last one is intact" in str(raised.value)
+    tier.close()
+    directory.close()
+
+
+_OWNER = """
+import os, signal, sys, time
+from lightning_colossal.disk.files import TierDirectory
+directory = TierDirectory(sys.argv[1], rank=3)
+print(directory.path, flush=True)
+if sys.argv[2] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+"""
+
+
+def test_a_killed_runs_directory_is_removed_by_the_next_run_and_a_live_ones_kept(tmp_path):
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    killed = subprocess.run(
+        [sys.executable, "-c", _OWNER, str(tmp_path), "die"], capture_output=True, text=True, env=environment
+    )
+    assert killed.returncode == -signal.SIGKILL
+    left = Path(killed.stdout.strip())
+    assert left.is_dir() and is_tier_directory(left)
+    directory = TierDirectory(tmp_path, 0)  # the next run under the same offload_dir
+    assert directory.removed_stale == [left] and not left.exists()
+    directory.close()
+    live = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(tmp_path), "live"], stdout=subprocess.PIPE, text=True, env=environment
+    )
+    try:
+        assert live.stdout is not None
+        live_path = Path(live.stdout.readline().strip())
+        directory = TierDirectory(tmp_path, 0)
+        assert directory.removed_stale == [] and live_path.is_dir(), "a running process's tier was removed"
+        directory.close()
+    finally:
+        live.kill()
+        live.wait()
+    TierDirectory(tmp_path, 0).close()  # the (now killed) live process's directory goes with the next run
+    assert not list(tmp_path.glob(f"{TIER_PREFIX}*"))
+
+
+def test_checkpoint_loaders_refuse_a_tier_directory(tmp_path):
+    directory = TierDirectory(tmp_path, 0)
+    for path in (directory.path, directory.path / "optimizer_state.bin"):
+        with pytest.raises(ValueError, match="not a\\s+checkpoint"):
+            locate_checkpoint(path)
+    directory.close()
+
+
+def test_host_budget_sends_the_last_chunks_state_to_disk():
+    host = [100, 100, 100, 10]  # the last entry: frozen chunks (no state)
+    state = [60, 60, 60, 0]
+    assert disk_by_host_budget(host, state, 310, has_disk=True) == frozenset()
+    assert disk_by_host_budget(host, state, 300, has_disk=True) == frozenset({2})
+    assert disk_by_host_budget(host, state, 190, has_disk=True) == frozenset({1, 2})
+    with pytest.raises(HostBudgetTooSmall, match="with every optimizer state on disk"):
+        disk_by_host_budget(host, state, 120, has_disk=True)
+    with pytest.raises(HostBudgetTooSmall, match="pass offload_dir"):
+        disk_by_host_budget(host, state, 300, has_disk=False)
+
+
+@pytest.mark.parametrize(
+    ("make", "fix"),
+    [
+        (
+            lambda: GeminiConfig(placement=StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0)),
+            "needs offload_dir",
+        ),
+        (lambda: StaticPlacement(offload_optim_frac=0.5, disk_fraction=1.0), "Raise offload_optim_frac"),
+        (lambda: GeminiConfig(offload_dir="/tmp"), "no effect with disk_fraction=0"),
+        (lambda: GeminiConfig(placement=AutoPlacement(), offload_dir="/tmp"), "needs host_memory_budget"),
+        (lambda: AutoPlacement(host_memory_budget=0), "positive number of bytes"),
+        (lambda: ZeroConfig(stage=2, disk_fraction=1.0, offload_dir="/tmp"), "needs cpu_offload=True"),
+        (lambda: ZeroConfig(stage=2, cpu_offload=True, disk_fraction=1.0), "needs offload_dir"),
+        (lambda: ZeroConfig(stage=2, cpu_offload=True, offload_dir="/tmp"), "no effect with disk_fraction=0"),
+        (lambda: ZeroConfig(disk_fraction=1.5, cpu_offload=True, offload_dir="/tmp"), r"share in \[0, 1\]"),
+    ],
+)
+def test_settings_name_the_fix(make, fix):
+    with pytest.raises(ValueError, match=fix):
+        make()
+
+
+def test_placeholders_hold_no_bytes_in_the_accounts():
+    from lightning_colossal.gemini.manager import _nbytes
+
+    stand_in = torch.zeros(()).expand(1000)
+    assert is_placeholder(stand_in) and _nbytes(stand_in) == 0
+    assert _nbytes(torch.zeros(1000)) == 4000
