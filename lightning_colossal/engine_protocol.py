@@ -89,6 +89,10 @@ class StepsOptimizer(Protocol):
         """Remove the optimizer state the engine keeps on disk (the engine is being dropped)."""
         ...
 
+    def release_checkpoint_copies(self) -> None:
+        """After a checkpoint was written: drop the host copies of on-disk state that ``optimizer_state_by_name`` read."""
+        ...
+
 
 @runtime_checkable
 class MemoryReporting(Protocol):

@@ -38,6 +38,8 @@ from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 
 _HOST = torch.device("cpu")
+#: The one zero per dtype every placeholder views (what makes a placeholder recognisable at any size).
+_PLACEHOLDER_ZEROS: dict[torch.dtype, Tensor] = {}
 #: Staging buffers: one being read, one being stepped, one being written.
 STAGING_SLOTS = 3
 #: Each state tensor starts at a multiple of this inside its record (any dtype's alignment).
@@ -72,13 +74,19 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 def placeholder(like: Tensor, dtype: torch.dtype) -> Tensor:
-    """A tensor shaped like ``like`` backed by one element: stands in for state that lives on disk."""
-    return torch.zeros((), dtype=dtype, device=like.device).expand(like.shape)
+    """A tensor shaped like ``like`` backed by one shared zero: stands in for state that lives on disk."""
+    zero = _PLACEHOLDER_ZEROS.setdefault(dtype, torch.zeros((), dtype=dtype))
+    return zero.expand(like.shape)
 
 
 def is_placeholder(tensor: Tensor) -> bool:
     """Whether ``tensor`` stands in for state on disk (``placeholder``)."""
-    return tensor.dim() > 0 and tensor.numel() > 1 and all(stride == 0 for stride in tensor.stride())
+    zero = _PLACEHOLDER_ZEROS.get(tensor.dtype)
+    return (
+        zero is not None
+        and tensor.device.type == "cpu"
+        and tensor.untyped_storage().data_ptr() == zero.untyped_storage().data_ptr()
+    )
 
 
 def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
@@ -322,6 +330,12 @@ class DiskOptimizerState:
             self.file.read_now(record.file_offset, buffer[: _io_bytes(record)])
             for entry in record.entries:
                 self.optimizer.state[entry.master][entry.key] = _view(buffer, entry).clone()
+
+    def release(self) -> None:
+        """Put placeholders back for records ``materialise`` read (their values are still those on disk)."""
+        for record in self.records:
+            if record.written:
+                self._unbind(record)
 
     def store(self) -> None:
         """Write the state tensors now in ``optimizer.state`` to their records and put placeholders back."""

@@ -72,6 +72,9 @@ class GradientAverager:
     def close_disk_tier(self) -> None:
         """No state on disk."""
 
+    def release_checkpoint_copies(self) -> None:
+        """No state on disk."""
+
     def after_step(self, stepped: bool) -> None:
         """Nothing to publish: every rank stepped the same averaged gradients."""
 

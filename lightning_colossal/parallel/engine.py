@@ -219,6 +219,10 @@ class HybridEngine:
         if self.data_parallel is not None:
             self.data_parallel.close_disk_tier()
 
+    def release_checkpoint_copies(self) -> None:
+        if self.data_parallel is not None:
+            self.data_parallel.release_checkpoint_copies()
+
     def after_step(self, stepped: bool) -> None:
         if self.data_parallel is not None:
             self.data_parallel.after_step(stepped)

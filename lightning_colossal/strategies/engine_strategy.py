@@ -159,6 +159,18 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         return output
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        try:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        finally:
+            # The optimizer state the disk tier read for this checkpoint is written (or staged): host memory goes
+            # back to a few records.
+            engine = self._checkpoint_engine()
+            if isinstance(engine, StepsOptimizer):
+                engine.release_checkpoint_copies()
+
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         self._forget_earlier_fit()  # an evaluation stage loading other weights (fit's own engine is self.engine)
         return super().load_checkpoint(checkpoint_path, weights_only)

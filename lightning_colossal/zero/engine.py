@@ -275,6 +275,11 @@ class ZeroEngine:
             return optimizer.step(**kwargs)
         return self.disk_state.step(self.process_group, **kwargs)
 
+    def release_checkpoint_copies(self) -> None:
+        """Drop the host copies of on-disk optimizer state a checkpoint read (unchanged since: nothing to write)."""
+        if self.disk_state is not None:
+            self.disk_state.release()
+
     def close_disk_tier(self) -> None:
         """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
         if self.disk_state is not None:

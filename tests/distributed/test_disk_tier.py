@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_colossal import AutoPlacement, GeminiStrategy, StaticPlacement, ZeroStrategy
 from lightning_colossal.disk.files import TIER_PREFIX, DiskTierFull
+from lightning_colossal.disk.optimizer_state import is_placeholder
 from tests.distributed.oracle import assert_matches_oracle, float_state, new_module, oracle_train, quiet_trainer
 
 STEPS = 4
@@ -227,6 +228,11 @@ def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str,
     )
     trainer.fit(module)
     trainer.save_checkpoint(checkpoint)
+    disk_state = trainer.strategy.engine.disk_state
+    if disk_state is not None:
+        # The checkpoint read the state from disk; once written, host memory holds none of it again.
+        state = disk_state.optimizer.state
+        assert all(is_placeholder(state[e.master][e.key]) for record in disk_state.records for e in record.entries)
     return {}
 
 
@@ -252,3 +258,94 @@ def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2
         for a, b in zip(from_disk, from_memory, strict=True):
             for name, value in b["parameters"].items():
                 assert torch.equal(a["parameters"][name], value), (resume_kind, resume_dir, name)
+
+
+def _interrupted_body(offload_dir: str, checkpoint_dir: str, where: str) -> None:
+    """Train with a checkpoint every step; in the third step (``where="step"``: while the disk tier streams the
+    optimizer state) or during the third checkpoint save (``where="save"``) every rank SIGKILLs itself."""
+    import signal
+
+    from lightning_colossal.checkpoint import sharded
+    from lightning_colossal.disk.optimizer_state import DiskOptimizerState
+
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2-offload", offload_dir),
+        devices=torch.distributed.get_world_size(),
+        max_steps=6,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_train_steps=1, save_top_k=1)],
+    )
+    if where == "step":
+        real_bind = DiskOptimizerState._bind
+
+        def bind_then_die(self: DiskOptimizerState, record: Any, slot: Any) -> None:
+            real_bind(self, record, slot)
+            if trainer.global_step == 2:  # the third step, first record read back from disk
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        DiskOptimizerState._bind = bind_then_die  # type: ignore[method-assign]
+    else:
+        real_save = sharded.dcp.save
+        saves = {"count": 0}
+
+        def save_then_die(*args: Any, **kwargs: Any) -> Any:
+            saves["count"] += 1
+            result = real_save(*args, **kwargs)
+            if saves["count"] == 3:  # shards of the third checkpoint written, not yet committed
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        sharded.dcp.save = save_then_die  # type: ignore[assignment]
+    trainer.fit(module)
+
+
+def _checkpointed_body(offload_dir: str, checkpoint_dir: str, steps: int) -> None:
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2-offload", offload_dir),
+        devices=torch.distributed.get_world_size(),
+        max_steps=steps,
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_train_steps=1, save_top_k=1)],
+    )
+    trainer.fit(module)
+
+
+def _resume_with_tier_body(offload_dir: str, checkpoint: str) -> dict[str, Any]:
+    before = sorted(path.name for path in Path(offload_dir).glob(f"{TIER_PREFIX}*"))
+    torch.distributed.barrier()  # every rank looked before any rank's tier removed the killed run's directories
+    module = new_module()
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2-offload", offload_dir), devices=torch.distributed.get_world_size(), max_steps=6
+    )
+    trainer.fit(module, ckpt_path=checkpoint)
+    after = sorted(path.name for path in Path(offload_dir).glob(f"{TIER_PREFIX}*"))
+    return {"parameters": float_state(module), "before": before, "after": after, "resumed_at": trainer.global_step}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["step", "save"])
+def test_ranks_killed_mid_step_or_mid_save_resume_exactly_and_leave_nothing_behind(rank_pool_2, tmp_path, where):
+    from tests.harness.rank_pool import RankFailure
+
+    tier, checkpoints = tmp_path / "tier", tmp_path / "checkpoints"
+    with pytest.raises(RankFailure):
+        rank_pool_2.run(_interrupted_body, str(tier), str(checkpoints), where)
+    left = {path.name for path in tier.glob(f"{TIER_PREFIX}*")}
+    assert left, "the killed ranks left no directory: the test would not test the cleanup"
+    saved = sorted(checkpoints.glob("*.ckpt"))
+    assert [path.name for path in saved] == ["last.ckpt"], sorted(checkpoints.iterdir())
+    resumed = rank_pool_2.run(_resume_with_tier_body, str(tier), str(saved[0]))
+    # The same run not interrupted: checkpointed after step 2 (what the killed run's last checkpoint holds) and resumed
+    # the same way (a resume restarts the epoch's batches).
+    reference_checkpoints = tmp_path / "reference"
+    rank_pool_2.run(_checkpointed_body, str(tmp_path / "reference_tier"), str(reference_checkpoints), 2)
+    straight = rank_pool_2.run(
+        _resume_with_tier_body, str(tmp_path / "reference_tier"), str(reference_checkpoints / "last.ckpt")
+    )
+    for rank_result, reference in zip(resumed, straight, strict=True):
+        assert left <= set(rank_result["before"])
+        assert not left & set(rank_result["after"]), "the killed run's tier directories survived the next run"
+        for name, value in reference["parameters"].items():
+            assert torch.equal(rank_result["parameters"][name], value), name

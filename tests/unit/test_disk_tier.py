@@ -28,6 +28,7 @@ from lightning_colossal.disk.optimizer_state import (
     DiskOptimizerState,
     is_placeholder,
     open_disk_state,
+    placeholder,
     state_bytes_per_element,
 )
 from lightning_colossal.gemini.placement import HostBudgetTooSmall, disk_by_host_budget
@@ -236,6 +237,8 @@ def test_settings_name_the_fix(make, fix):
 def test_placeholders_hold_no_bytes_in_the_accounts():
     from lightning_colossal.gemini.manager import _nbytes
 
-    stand_in = torch.zeros(()).expand(1000)
-    assert is_placeholder(stand_in) and _nbytes(stand_in) == 0
+    for numel in (1, 1000):
+        stand_in = placeholder(torch.empty(numel), torch.float32)
+        assert is_placeholder(stand_in) and _nbytes(stand_in) == 0
+    assert not is_placeholder(torch.zeros(()).expand(1000)) and not is_placeholder(torch.zeros(1))
     assert _nbytes(torch.zeros(1000)) == 4000
