@@ -170,7 +170,11 @@ class GeminiConfig:
                 f"offload_dir={self.offload_dir!r} has no effect with disk_fraction=0: pass disk_fraction (the share"
                 " of chunks whose optimizer state goes to disk, e.g. 1.0) or drop offload_dir."
             )
-        if isinstance(placement, AutoPlacement) and self.offload_dir is not None and placement.host_memory_budget is None:
+        if (
+            isinstance(placement, AutoPlacement)
+            and self.offload_dir is not None
+            and placement.host_memory_budget is None
+        ):
             raise ValueError(
                 f"offload_dir={self.offload_dir!r} with automatic placement needs host_memory_budget: the optimizer"
                 " state of the chunks that do not fit that many bytes of host memory goes to disk."
