@@ -5,9 +5,12 @@ Usage::
     python -m lightning_colossal.plan --model demo --devices 8 --device-memory 80GiB
     python -m lightning_colossal.plan --model path/to/config.json --devices 8 --nodes 2 --precision bf16-mixed
     python -m lightning_colossal.plan --parameters 7e9 --layers 32 --hidden 4096 --devices 8 --json
+    python -m lightning_colossal.plan --parameters 7e9 --layers 32 --hidden 4096 --devices 8 --host-memory 64GiB \
+        --offload-dir /local_nvme            # the disk tier: measures that disk (a few seconds)
 
-Model-state bytes are the engines' own, exact to the byte (``tests/distributed/test_plan_against_engines.py``);
-working memory and activations are estimates (docs/planner.md states how good). This module imports neither
+Model-state bytes are the engines' own, exact to the byte (``tests/distributed/test_plan_against_engines.py``), on the
+device, in host memory and, for the disk tier's settings (``--offload-dir``), on disk; working memory and activations
+are estimates (docs/planner.md states how good). This module imports neither
 Lightning nor transformers nor the demo: each model source imports what it needs when it is used.
 """
 
@@ -15,11 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from lightning_colossal.planning.activations import Workload
+from lightning_colossal.planning.disk_tier import Disk
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import OPTIMIZERS, Training
 from lightning_colossal.planning.planner import Hardware, Plan, make_plan
@@ -34,7 +41,7 @@ from lightning_colossal.planning.sources import (
 )
 from lightning_colossal.planning.units import parse_bytes, parse_count
 
-__all__ = ["build_parser", "load_model", "main", "plan_from_arguments"]
+__all__ = ["build_parser", "disk_from_arguments", "load_model", "main", "plan_from_arguments"]
 
 PRECISIONS = ("bf16-mixed", "32-true", "16-mixed", "bf16-true")
 DEFAULT_SEQUENCE_LENGTH = 2048
@@ -68,6 +75,29 @@ def _machine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-type", choices=("cuda", "cpu"), default="cuda", help="where ranks compute")
 
 
+def _disk_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "disk tier (optimizer state on a local disk; weighed when a disk is given, recommended only when nothing"
+        " without it fits)"
+    )
+    group.add_argument(
+        "--offload-dir",
+        help="a directory on each node's local disk (NVMe) for the disk tier; the planner measures its bandwidth"
+        " (writes and removes a 512 MiB file: a few seconds) and free space unless given below",
+    )
+    group.add_argument(
+        "--disk-read-gbps",
+        type=float,
+        help="sequential read bandwidth of a node's disk in GB/s (10**9 bytes per second, as disk makers quote it;"
+        " not gigabits); with --disk-write-gbps it describes a disk without --offload-dir or skips the measurement",
+    )
+    group.add_argument("--disk-write-gbps", type=float, help="sequential write bandwidth in GB/s, as --disk-read-gbps")
+    group.add_argument(
+        "--disk-space",
+        help="free disk space per node for the tier, e.g. 2TiB (default: measured under --offload-dir, else unchecked)",
+    )
+
+
 def _training_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("training")
     group.add_argument("--precision", choices=PRECISIONS, default="bf16-mixed", help="Trainer precision")
@@ -91,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_arguments(parser)
     _machine_arguments(parser)
+    _disk_arguments(parser)
     _training_arguments(parser)
     return parser
 
@@ -169,6 +200,74 @@ def _workload(arguments: argparse.Namespace, model: ModelShape) -> Workload:
     return Workload(arguments.micro_batch_size, sequence_length, arguments.activation_checkpointing)
 
 
+def _gbps(value: float | None, option: str) -> float | None:
+    if value is not None and (not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{option} {value}: pass a positive bandwidth in GB/s, e.g. 3.5.")
+    return None if value is None else value * 1e9
+
+
+def _existing_directory(path: str, needed_for: str) -> Path:
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(
+            f"--offload-dir {path!r} is not a directory here, and the planner needs it for {needed_for}: create it"
+            " on the local disk first, or describe that disk with --disk-read-gbps, --disk-write-gbps"
+            " (and --disk-space)."
+        )
+    return directory
+
+
+def _measured(directory: Path) -> tuple[float, float, bool]:
+    """(read, write bytes per second, direct I/O) of the disk under ``directory``."""
+    from lightning_colossal.disk.bandwidth import measure_bandwidth
+
+    print(f"measuring the disk under {directory} (512 MiB written and read back) ...", file=sys.stderr, flush=True)
+    try:
+        bandwidth = measure_bandwidth(str(directory))
+    except (OSError, RuntimeError) as error:
+        raise ValueError(
+            f"--offload-dir {str(directory)!r}: measuring its bandwidth failed ({error}); pass --disk-read-gbps and"
+            " --disk-write-gbps to skip the measurement."
+        ) from error
+    return bandwidth.read_bytes_per_second, bandwidth.write_bytes_per_second, bandwidth.direct_io
+
+
+def disk_from_arguments(arguments: argparse.Namespace) -> Disk | None:
+    """The node's disk the arguments describe: ``--offload-dir`` (measured where bandwidths or space are not
+    given), or ``--disk-read-gbps`` with ``--disk-write-gbps`` alone; ``None`` without any of them.
+
+    Raises:
+        ValueError: half a description (one bandwidth, or only a space), or a directory that cannot be measured.
+    """
+    read = _gbps(arguments.disk_read_gbps, "--disk-read-gbps")
+    write = _gbps(arguments.disk_write_gbps, "--disk-write-gbps")
+    space = None if arguments.disk_space is None else parse_bytes(arguments.disk_space, "--disk-space", allow_zero=True)
+    if arguments.offload_dir is None:
+        if read is None and write is None:
+            if space is not None:
+                raise ValueError(
+                    "--disk-space describes the disk tier's disk: add --offload-dir PATH, or --disk-read-gbps and"
+                    " --disk-write-gbps."
+                )
+            return None
+        if read is None or write is None:
+            missing = "--disk-read-gbps" if read is None else "--disk-write-gbps"
+            raise ValueError(
+                f"a disk without --offload-dir needs both bandwidths: add {missing} (GB/s), or pass --offload-dir to"
+                " measure the disk."
+            )
+        return Disk(read, write, space=space)
+    measured, direct_io = False, None
+    if read is None or write is None:
+        measured_read, measured_write, direct_io = _measured(_existing_directory(arguments.offload_dir, "measuring"))
+        read = measured_read if read is None else read
+        write = measured_write if write is None else write
+        measured = True
+    if space is None:
+        space = shutil.disk_usage(_existing_directory(arguments.offload_dir, "its free space")).free
+    return Disk(read, write, arguments.offload_dir, space, measured=measured, direct_io=direct_io)
+
+
 def plan_from_arguments(arguments: argparse.Namespace) -> Plan:
     """Build the plan the parsed arguments ask for (``ValueError`` for bad input, naming the fix)."""
     model = load_model(arguments)
@@ -181,6 +280,7 @@ def plan_from_arguments(arguments: argparse.Namespace) -> Plan:
         host_memory=parse_bytes(arguments.host_memory, "--host-memory"),
         device_type=arguments.device_type,
         device_reserve=parse_bytes(arguments.device_reserve, "--device-reserve", allow_zero=True),
+        disk=disk_from_arguments(arguments),
     )
     training = Training(arguments.precision, OPTIMIZERS[arguments.optimizer], arguments.device_type)
     return make_plan(model, hardware, training, _workload(arguments, model))

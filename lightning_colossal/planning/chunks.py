@@ -3,6 +3,8 @@
 ``GeminiEngine`` searches the chunk size (``search_chunk_numel`` with ``GeminiConfig``'s defaults), packs the
 parameters in registration order (``build_layout``) and places chunks by their bytes (``static_plan``); calling the
 same functions gives the planner the engine's exact shard sizes and placement, also for partial offload fractions.
+The disk tier's share (``StaticPlacement.disk_fraction``, ``static_plan``'s ``disk_optimizer``) is counted in chunk
+bytes from the first chunk, like ``offload_optim_frac``.
 """
 
 from __future__ import annotations
@@ -25,15 +27,20 @@ class ChunkShape:
         numel: elements of the gathered chunk (its members, whole).
         shard_numel: elements of this rank's shard (its rows of every member).
         tensors: parameters in the chunk.
+        member_numels: elements of this rank's rows of each member, in order (its master views).
         optimizer_offloaded: master, gradient shard and optimizer state in host memory.
         parameters_offloaded: the working shard waits in host memory between uses.
+        optimizer_on_disk: the optimizer state shaped like the parameters (Adam's moments) lives on disk between
+            steps (``StaticPlacement(disk_fraction=...)``; the master and gradient shard stay in host memory).
     """
 
     numel: int
     shard_numel: int
     tensors: int
+    member_numels: tuple[int, ...]
     optimizer_offloaded: bool
     parameters_offloaded: bool
+    optimizer_on_disk: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -61,7 +68,9 @@ def chunk_layout(
     capacity = _chunk_capacity(tuple(math.prod(shape) for shape in shapes))
     specs = build_layout([(str(index), shape) for index, shape in enumerate(shapes)], capacity, world_size, rank)
     placement = StaticPlacement(
-        offload_optim_frac=1.0 if setting.offload else 0.0, offload_param_frac=setting.offload_parameters
+        offload_optim_frac=1.0 if setting.offload else 0.0,
+        offload_param_frac=setting.offload_parameters,
+        disk_fraction=setting.disk_fraction,
     )
     plan = static_plan([spec.numel * parameter_bytes for spec in specs], placement)
     return [
@@ -69,8 +78,10 @@ def chunk_layout(
             numel=spec.numel,
             shard_numel=spec.shard_numel,
             tensors=len(spec.members),
+            member_numels=tuple(member.spec.local_numel for member in spec.members),
             optimizer_offloaded=spec.index in plan.offload_optimizer,
             parameters_offloaded=spec.index in plan.offload_parameters,
+            optimizer_on_disk=spec.index in plan.disk_optimizer,
         )
         for spec in specs
     ]

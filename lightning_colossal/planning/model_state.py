@@ -12,15 +12,23 @@ test_plan_against_engines.py`` checks them to the byte against what ``MemoryMoni
   with no second copy. DDP and FSDP step the parameters themselves, so their optimizer state has the parameters' dtype.
 - torch's Adam/AdamW keep ``step`` as a 4-byte float32 scalar per parameter tensor, on the CPU (unless fused or
   capturable), so the planner puts it in host memory.
+- The disk tier (``lightning_colossal/disk``: ``ZeroConfig(disk_fraction=...)``, ``StaticPlacement(disk_fraction=...)``)
+  keeps only the optimizer state shaped like the parameters (Adam's two moments, SGD's momentum) on disk between
+  steps; the fp32 masters, the gradient shards and Adam's ``step`` scalars stay in host memory. Gemini counts its
+  share in chunk bytes from the first chunk (``static_plan``, as ``offload_optim_frac``), one record per chunk; ZeRO
+  counts it over this rank's rows in parameter order from the first, in records of about one gradient bucket. The
+  disk bytes are the tier's records as it lays them out (``disk_tier.disk_records``: each state tensor aligned to
+  64 bytes, each record to 4 KiB), which each optimizer step reads and writes once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_colossal.engine_parts.rows import shard_spec
+from lightning_colossal.planning.disk_tier import DiskRecords, disk_records
 from lightning_colossal.planning.settings import Setting
 
 __all__ = [
@@ -29,6 +37,7 @@ __all__ = [
     "OptimizerShape",
     "Placed",
     "Training",
+    "disk_records_of",
     "model_state",
     "owned_numel",
 ]
@@ -83,17 +92,24 @@ class Training:
 
 @dataclass(frozen=True)
 class Placed:
-    """Bytes on the compute device and in host memory."""
+    """Bytes on the compute device, in host memory and on disk (the disk tier: between optimizer steps only)."""
 
     device: int = 0
     host: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
+        """Every byte, wherever it lives."""
+        return self.device + self.host + self.disk
+
+    @property
+    def in_memory(self) -> int:
+        """The bytes in memory (device and host): what ``MemoryMonitor`` counts, which leaves out the disk tier's."""
         return self.device + self.host
 
     def __add__(self, other: Placed) -> Placed:
-        return Placed(self.device + other.device, self.host + other.host)
+        return Placed(self.device + other.device, self.host + other.host, self.disk + other.disk)
 
 
 def _at(size: int, on_host: bool) -> Placed:
@@ -133,6 +149,36 @@ def _optimizer_state(elements: int, element_bytes: int, tensors: int, training: 
     return _at(optimizer.moments * element_bytes * elements, on_host) + Placed(host=optimizer.step_bytes * tensors)
 
 
+def _disk_tier(groups: Sequence[Sequence[int]], training: Training) -> Placed:
+    """The optimizer state of the masters in ``groups`` (one record each, elements per master) in the disk tier: the
+    records' bytes on disk. What the tier leaves in memory between steps is a placeholder per state tensor, a view of
+    one shared zero, which the engines' reports count as 0 bytes (``disk/optimizer_state.py`` ``is_placeholder``).
+    """
+    records = disk_records(groups, training.optimizer.moments, FP32)
+    return Placed(disk=records.file_bytes)
+
+
+def _zero_disk_groups(owned_each: Sequence[int], disk_fraction: float) -> list[list[int]]:
+    """``ZeroEngine._open_disk_tier``: the first masters (this rank's rows, in parameter order) whose elements add up
+    to at most ``disk_fraction`` of them, in records of about one gradient bucket of masters each."""
+    if disk_fraction <= 0:
+        return []
+    from lightning_colossal.config import ZeroConfig, bucket_numel
+
+    record_numel = bucket_numel(ZeroConfig().bucket_size_mb)
+    limit = disk_fraction * sum(owned_each) * (1 + 1e-9)
+    groups: list[list[int]] = []
+    counted = 0
+    for numel in owned_each:
+        if counted + numel > limit:
+            break
+        counted += numel
+        if not groups or sum(groups[-1]) >= record_numel:
+            groups.append([])
+        groups[-1].append(numel)
+    return groups
+
+
 def ddp_state(shapes: Sequence[Shape], training: Training) -> ModelState:
     """``colossal_ddp``: everything whole on every rank, in the parameters' dtype."""
     size, width = _numel(shapes), training.parameter_bytes
@@ -144,23 +190,38 @@ def ddp_state(shapes: Sequence[Shape], training: Training) -> ModelState:
 
 
 def zero_state(
-    shapes: Sequence[Shape], training: Training, stage: int, offload: bool, world_size: int, rank: int
+    shapes: Sequence[Shape],
+    training: Training,
+    stage: int,
+    offload: bool,
+    world_size: int,
+    rank: int,
+    disk_fraction: float = 0.0,
 ) -> ModelState:
     """``colossal_zero1/2`` (and their ``_offload``), as ``ZeroEngine.memory_report`` counts them.
 
     Whole parameters on the device; fp32 masters of the own rows unless fp32 parameters on the device serve as their
     own (``ZeroEngine.masters_alias_parameters``); gradients: stage 1 whole in the parameters' dtype (the reduction
     buckets), stage 2 the own rows in an fp32 accumulator, plus an fp32 master-gradient shard next to separate masters.
+    ``disk_fraction`` (with ``offload``): the moments of the first parameters whose own rows add up to at most that
+    share of this rank's rows live on disk, in the tier's records (``disk_tier.disk_records``).
     """
-    size, owned, width = _numel(shapes), owned_numel(shapes, world_size, rank), training.parameter_bytes
+    if disk_fraction > 0 and not offload:
+        raise ValueError(f"disk_fraction={disk_fraction} needs offload: optimizer state on disk is stepped on the CPU.")
+    size, width = _numel(shapes), training.parameter_bytes
+    owned_each = [shard_spec(shape, world_size, rank).local_numel for shape in shapes]
+    owned = sum(owned_each)
     separate_masters = offload or width != FP32
     master = _at(FP32 * owned, offload) if separate_masters else Placed()
     compute_gradients = Placed(device=width * size if stage == 1 else FP32 * owned)
     master_gradients = _at(FP32 * owned, offload) if separate_masters else Placed()
+    on_disk = _zero_disk_groups(owned_each, disk_fraction)
+    resident = owned - sum(map(sum, on_disk))
+    optimizer_state = _optimizer_state(resident, FP32, len(shapes), training, on_host=offload)
     return ModelState(
         parameters=Placed(device=width * size) + master,
         gradients=compute_gradients + master_gradients,
-        optimizer_state=_optimizer_state(owned, FP32, len(shapes), training, on_host=offload),
+        optimizer_state=optimizer_state + _disk_tier(on_disk, training),
     )
 
 
@@ -181,13 +242,15 @@ def gemini_state(
 
     Per chunk: the working shard (parameters' dtype) where the placement parks parameters; the fp32 master, fp32
     gradient shard and optimizer state where it puts the optimizer. The master is the shard itself when the shard is
-    fp32 and on the same device (always on CPU ranks).
+    fp32 and on the same device (always on CPU ranks). Under ``setting.disk_fraction`` the first chunks' moments
+    live on disk, one record per chunk (their masters and gradient shards stay in host memory).
     """
     from lightning_colossal.planning.chunks import chunk_layout
 
     width = training.parameter_bytes
     total = ModelState(Placed(), Placed(), Placed())
-    for chunk in chunk_layout(shapes, width, setting, world_size, rank):
+    chunks = chunk_layout(shapes, width, setting, world_size, rank)
+    for chunk in chunks:
         shard_on_host, master_on_host = chunk.parameters_offloaded, chunk.optimizer_offloaded
         # ``ChunkManager``: the master is the shard when both are fp32 on the same device; the CPU is both.
         aliased = width == FP32 and (shard_on_host == master_on_host or training.device_type == "cpu")
@@ -196,9 +259,29 @@ def gemini_state(
             parameters=total.parameters + _at(width * chunk.shard_numel, shard_on_host) + master,
             gradients=total.gradients + _at(FP32 * chunk.shard_numel, master_on_host),
             optimizer_state=total.optimizer_state
-            + _optimizer_state(chunk.shard_numel, FP32, chunk.tensors, training, on_host=master_on_host),
+            + _optimizer_state(
+                0 if chunk.optimizer_on_disk else chunk.shard_numel, FP32, chunk.tensors, training, master_on_host
+            ),
         )
-    return total
+    on_disk = [list(chunk.member_numels) for chunk in chunks if chunk.optimizer_on_disk]
+    return replace(total, optimizer_state=total.optimizer_state + _disk_tier(on_disk, training))
+
+
+def disk_records_of(
+    shapes: Sequence[Shape], setting: Setting, training: Training, world_size: int, rank: int
+) -> DiskRecords:
+    """One rank's records in the disk tier under ``setting`` (none without ``disk_fraction``)."""
+    if not setting.uses_disk:
+        return DiskRecords()
+    if setting.family == "zero":
+        owned_each = [shard_spec(shape, world_size, rank).local_numel for shape in shapes]
+        groups = _zero_disk_groups(owned_each, setting.disk_fraction)
+    else:
+        from lightning_colossal.planning.chunks import chunk_layout
+
+        chunks = chunk_layout(shapes, training.parameter_bytes, setting, world_size, rank)
+        groups = [list(chunk.member_numels) for chunk in chunks if chunk.optimizer_on_disk]
+    return disk_records(groups, training.optimizer.moments, FP32)
 
 
 def model_state(
@@ -209,7 +292,9 @@ def model_state(
     if setting.family == "ddp":
         return ddp_state(shapes, training)
     if setting.family in ("zero", "hybrid"):
-        return zero_state(shapes, training, setting.zero_stage, setting.offload, world_size, rank)
+        return zero_state(
+            shapes, training, setting.zero_stage, setting.offload, world_size, rank, setting.disk_fraction
+        )
     if setting.family == "fsdp":
         return fsdp_state(shapes, training, setting.offload, world_size, rank)
     return gemini_state(shapes, training, setting, world_size, rank)

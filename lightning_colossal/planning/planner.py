@@ -3,7 +3,11 @@
 Per setting and per rank (the fullest rank, rank 0: ``torch.chunk`` gives it the most rows): exact model state
 (``model_state.py``), estimated working memory (``working.py``) and activations (``activations.py``). A setting fits
 when, on every device, model state on the device + working memory + activations + the reserve fit the device memory,
-and the host bytes of all ranks of a node fit the node's host memory. On CPU ranks device and host are one memory.
+the host bytes of all ranks of a node fit the node's host memory, and (disk settings) their disk bytes fit the free
+space of the node's disk. On CPU ranks device and host are one memory.
+
+Disk settings (``disk_tier.py``) are weighed only when the hardware has a disk, and recommended only when no setting
+without disk fits: their optimizer steps read and write the state on disk every step.
 """
 
 from __future__ import annotations
@@ -11,9 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lightning_colossal.planning.activations import ActivationEstimate, Workload, activation_estimate
+from lightning_colossal.planning.disk_tier import DISK_FRACTIONS, Disk, io_seconds
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, model_state
-from lightning_colossal.planning.settings import Setting, hybrid_settings, offload_settings, standard_settings
+from lightning_colossal.planning.settings import (
+    DISK_BASES,
+    Setting,
+    disk_setting,
+    hybrid_settings,
+    offload_settings,
+    standard_settings,
+)
 from lightning_colossal.planning.units import format_bytes
 from lightning_colossal.planning.working import Working, working_memory
 
@@ -29,6 +41,7 @@ __all__ = [
     "Plan",
     "Recommendation",
     "candidate_settings",
+    "disk_evaluations",
     "evaluate",
     "make_plan",
     "recommend",
@@ -46,6 +59,7 @@ class Hardware:
         host_memory: bytes of host memory per node, shared by its ranks.
         device_type: ``"cuda"`` or ``"cpu"``.
         device_reserve: bytes per device that training cannot use (CUDA context, allocator fragmentation).
+        disk: each node's local disk for the disk tier (``None``: no disk settings are weighed).
     """
 
     devices_per_node: int
@@ -54,6 +68,7 @@ class Hardware:
     host_memory: int
     device_type: DeviceType = "cuda"
     device_reserve: int = 2 * 2**30
+    disk: Disk | None = None
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.nodes < 1:
@@ -78,14 +93,19 @@ class Evaluation:
     working: Working
     activations: ActivationEstimate
     device_bytes: int  # per device: model state and working memory on it, activations, reserve
+    host_bytes_per_rank: int  # one rank's host bytes (on CPU ranks: all of its bytes)
     host_bytes: int  # per node: every local rank's host bytes
     fits_device: bool
     fits_host: bool
+    disk_bytes_per_rank: int = 0  # the disk tier's bytes (optimizer state between steps)
+    disk_bytes: int = 0  # per node: every local rank's disk bytes, on the node's one disk
+    fits_disk: bool = True
+    disk_io_seconds: float | None = None  # lower bound of one optimizer step's disk I/O on a node (disk settings)
     notes: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
-        return self.fits_device and self.fits_host
+        return self.fits_device and self.fits_host and self.fits_disk
 
 
 @dataclass(frozen=True)
@@ -134,10 +154,16 @@ def evaluate(
         model, training, workload, setting.tp_size, casts_weights=setting.family != "fsdp"
     )
     on_device = state.placed.device + working.placed.device + activations.total + hardware.device_reserve
-    on_host = (state.placed.host + working.placed.host) * hardware.devices_per_node
+    host_per_rank = state.placed.host + working.placed.host
     if hardware.device_type == "cpu":  # one memory: every byte of every local rank comes out of the host's
-        on_host = on_host + (on_device - hardware.device_reserve) * hardware.devices_per_node
+        host_per_rank += on_device - hardware.device_reserve
         on_device = 0
+    on_host = host_per_rank * hardware.devices_per_node
+    disk_per_rank = state.placed.disk + working.placed.disk
+    on_disk = disk_per_rank * hardware.devices_per_node
+    if on_disk and hardware.disk is None:
+        raise ValueError(f"{setting.label} keeps state on disk: describe the disk (Hardware.disk) to weigh it.")
+    disk = hardware.disk
     how, notes = _how(setting, workload)
     return Evaluation(
         setting=setting,
@@ -146,9 +172,15 @@ def evaluate(
         working=working,
         activations=activations,
         device_bytes=on_device,
+        host_bytes_per_rank=host_per_rank,
         host_bytes=on_host,
         fits_device=on_device <= hardware.device_memory,
         fits_host=on_host <= hardware.host_memory,
+        disk_bytes_per_rank=disk_per_rank,
+        disk_bytes=on_disk,
+        fits_disk=disk is None or disk.space is None or on_disk <= disk.space,
+        # Each optimizer step reads every byte on disk once and writes it back once; a node's ranks share its disk.
+        disk_io_seconds=io_seconds(disk, on_disk, on_disk) if disk is not None and setting.uses_disk else None,
         notes=notes,
     )
 
@@ -159,7 +191,20 @@ def _need(evaluation: Evaluation, hardware: Hardware) -> str:
         needs.append(f"{format_bytes(evaluation.device_bytes)} per {hardware.device_word}")
     if not evaluation.fits_host:
         needs.append(f"{format_bytes(evaluation.host_bytes)} of host memory per node")
+    if not evaluation.fits_disk:
+        needs.append(f"{format_bytes(evaluation.disk_bytes)} of disk per node")
     return " and ".join(needs)
+
+
+def disk_io_text(evaluation: Evaluation, hardware: Hardware) -> str:
+    """What a disk setting's optimizer step moves through a node's disk, and the least time that takes."""
+    assert evaluation.disk_io_seconds is not None and hardware.disk is not None
+    disk = hardware.disk
+    return (
+        f"each optimizer step reads {format_bytes(evaluation.disk_bytes)} from each node's disk and writes it back,"
+        f" at least {evaluation.disk_io_seconds:.2f} s of disk I/O per step at {disk.read_bytes_per_second / 1e9:.2f}"
+        f" GB/s read and {disk.write_bytes_per_second / 1e9:.2f} GB/s write"
+    )
 
 
 def _headroom(evaluation: Evaluation, hardware: Hardware) -> tuple[int, int]:
@@ -176,20 +221,26 @@ def _headroom_text(evaluation: Evaluation, hardware: Hardware) -> str:
 
 
 def _choose(evaluations: list[Evaluation], hardware: Hardware) -> tuple[Evaluation | None, list[str]]:
-    """The first setting with comfortable headroom, else the first that fits at all; and why earlier ones lost."""
-    for minimum in (COMFORTABLE_HEADROOM, 0.0):
-        skipped = []
-        for evaluation in evaluations:
-            room, capacity = _headroom(evaluation, hardware)
-            if evaluation.fits and room >= minimum * capacity:
-                return evaluation, skipped
-            if evaluation.fits:
-                share = f"{COMFORTABLE_HEADROOM:.0%}"
-                skipped.append(
-                    f"{evaluation.setting.label} fits with only {_headroom_text(evaluation, hardware)} (<{share})"
-                )
-            else:
-                skipped.append(f"{evaluation.setting.label} does not fit (needs {_need(evaluation, hardware)})")
+    """The first setting with comfortable headroom, else the first that fits at all; and why earlier ones lost.
+    Settings without disk come first: a disk setting is chosen only when none of them fits, even tightly."""
+    without_disk = [evaluation for evaluation in evaluations if not evaluation.setting.uses_disk]
+    with_disk = [evaluation for evaluation in evaluations if evaluation.setting.uses_disk]
+    lost: list[str] = []
+    for group in (without_disk, with_disk):
+        for minimum in (COMFORTABLE_HEADROOM, 0.0):
+            skipped = []
+            for evaluation in group:
+                room, capacity = _headroom(evaluation, hardware)
+                if evaluation.fits and room >= minimum * capacity:
+                    return evaluation, lost + skipped
+                if evaluation.fits:
+                    share = f"{COMFORTABLE_HEADROOM:.0%}"
+                    skipped.append(
+                        f"{evaluation.setting.label} fits with only {_headroom_text(evaluation, hardware)} (<{share})"
+                    )
+                else:
+                    skipped.append(f"{evaluation.setting.label} does not fit (needs {_need(evaluation, hardware)})")
+        lost = skipped  # nothing in this group fits: every one of them lost
     return None, []
 
 
@@ -199,15 +250,21 @@ def recommend(evaluations: list[Evaluation], hardware: Hardware) -> Recommendati
     chosen, skipped = _choose(evaluations, hardware)
     if chosen is None:
         smallest = min(evaluations, key=lambda evaluation: (evaluation.device_bytes, evaluation.host_bytes))
+        disk_hint = ""
+        if hardware.disk is None and any(e.fits_device and not e.fits_host for e in evaluations):
+            disk_hint = ", or give the planner a local disk for the disk tier (--offload-dir PATH)"
         return Recommendation(
             None,
             None,
             f"nothing fits: the smallest is {smallest.setting.label}, which needs {_need(smallest, hardware)}. Add"
-            " devices or nodes, lower --micro-batch-size or --sequence-length, or pass --activation-checkpointing.",
+            " devices or nodes, lower --micro-batch-size or --sequence-length, or pass --activation-checkpointing"
+            f"{disk_hint}.",
         )
     room, capacity = _headroom(chosen, hardware)
     tight = " (tight: the estimates may be off by more)" if room < COMFORTABLE_HEADROOM * capacity else ""
     reason = f"{chosen.setting.label}: fits with {_headroom_text(chosen, hardware)}{tight}; {chosen.setting.why_prefer}"
+    if chosen.setting.uses_disk:
+        reason += f"; {disk_io_text(chosen, hardware)}; chosen because no setting without disk fits"
     if skipped:
         more = f"; {len(skipped) - MAX_REASONS} more lose too" if len(skipped) > MAX_REASONS else ""
         reason += "; " + "; ".join(skipped[:MAX_REASONS]) + more
@@ -215,11 +272,38 @@ def recommend(evaluations: list[Evaluation], hardware: Hardware) -> Recommendati
 
 
 def candidate_settings(model: ModelShape, hardware: Hardware) -> list[Setting]:
-    """Every setting worth weighing, in preference order (offload is pointless when ranks compute on the CPU)."""
+    """Every setting without disk worth weighing, in preference order (offload is pointless when ranks compute on the
+    CPU). The disk settings depend on the evaluations: ``disk_evaluations``."""
     settings = standard_settings() + hybrid_settings(model, hardware.devices_per_node)
     if hardware.device_type == "cuda":
         settings += offload_settings()
     return settings
+
+
+def _least_disk(evaluations: list[Evaluation], hardware: Hardware) -> Evaluation:
+    """Of one setting's disk shares (smallest first), the first that leaves comfortable host headroom, else the first
+    that fits at all, else the largest."""
+    for minimum in (COMFORTABLE_HEADROOM, 0.0):
+        for evaluation in evaluations:
+            if evaluation.fits and hardware.host_memory - evaluation.host_bytes >= minimum * hardware.host_memory:
+                return evaluation
+    return evaluations[-1]
+
+
+def disk_evaluations(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> list[Evaluation]:
+    """Each offload setting with a disk tier (``DISK_BASES``) at the least disk share of ``DISK_FRACTIONS`` that fits
+    the host (less on disk is less I/O per step); none when the hardware has no disk or the optimizer keeps no state
+    shaped like the parameters (plain SGD: nothing to put on disk). Also on CPU ranks, where the disk saves RAM."""
+    if hardware.disk is None or training.optimizer.moments == 0:
+        return []
+    chosen = []
+    for base in DISK_BASES:
+        shares = [
+            evaluate(model, disk_setting(base, fraction, hardware.disk.path), hardware, training, workload)
+            for fraction in DISK_FRACTIONS
+        ]
+        chosen.append(_least_disk(shares, hardware))
+    return chosen
 
 
 def _plan_notes(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> tuple[str, ...]:
@@ -236,7 +320,59 @@ def _plan_notes(model: ModelShape, hardware: Hardware, training: Training, workl
         f"building the model whole in every process takes {format_bytes(whole)} of host memory per node at start;"
         " build it on the meta device (Trainer.init_module(empty_init=True)) for Gemini and FSDP"
     )
+    notes += _disk_notes(hardware, training)
     return tuple(notes)
+
+
+def _disk_notes(hardware: Hardware, training: Training) -> list[str]:
+    disk = hardware.disk
+    if disk is None:
+        return []
+    if training.optimizer.moments == 0:
+        return [f"no disk settings: {training.optimizer.name} keeps no state shaped like the parameters to put on disk"]
+    shares = "/".join(f"{fraction:.0%}" for fraction in DISK_FRACTIONS)
+    notes = [
+        f"disk settings keep that share of the optimizer state ({training.optimizer.name}'s moments) on each node's"
+        f" disk; fp32 masters and gradient shards stay in host memory. Each is shown at the least share of {shares}"
+        " that fits the host, and recommended only when nothing without disk fits: every optimizer step reads the"
+        " state from disk and writes it back (the min disk I/O column: a lower bound of that step's I/O)"
+    ]
+    if disk.offload_dir is None:
+        notes.append(
+            f"disk described by its bandwidths only: replace {disk.path!r} in `use:` by a local disk's directory"
+        )
+    if disk.space is None:
+        notes.append("disk space not checked: pass --disk-space (the free space under --offload-dir per node)")
+    if disk.measured and disk.direct_io is False:
+        notes.append(
+            f"the bandwidth under {disk.path} was measured through the page cache (no direct I/O on that filesystem):"
+            " it is optimistic, and the I/O times with it"
+        )
+    return notes
+
+
+def checkpoint_host_bytes(evaluation: Evaluation) -> int:
+    """Host bytes per node while a checkpoint of a disk setting is saved or loaded: the engines read the state on disk
+    into host memory for it (``optimizer_state_by_name``: ``DiskOptimizerState.materialise``) until it is written."""
+    return evaluation.host_bytes + evaluation.disk_bytes
+
+
+def _checkpoint_save_note(evaluations: list[Evaluation], hardware: Hardware, chosen: str | None) -> list[str]:
+    """For a recommended disk setting: the host memory a checkpoint save or load needs, and whether the node has it."""
+    evaluation = next((e for e in evaluations if e.setting.label == chosen and e.setting.uses_disk), None)
+    if evaluation is None:
+        return []
+    peak = checkpoint_host_bytes(evaluation)
+    verdict = (
+        f"more than the node's {format_bytes(hardware.host_memory)}: saving or loading a checkpoint would run out of"
+        " host memory"
+        if peak > hardware.host_memory
+        else f"within the node's {format_bytes(hardware.host_memory)}"
+    )
+    return [
+        f"checkpoints of {evaluation.setting.label}: saving or loading one reads the state on disk into host memory"
+        f" until it is written, about {format_bytes(peak)} per node (host/node + the disk bytes), {verdict}"
+    ]
 
 
 def _checkpointing_hint(
@@ -252,10 +388,12 @@ def _checkpointing_hint(
         evaluation = evaluate(model, setting, hardware, training, recomputing)
         if evaluation.fits:
             knob = f" ({evaluation.notes[0]})" if evaluation.notes else ""
-            return [
-                f"with --activation-checkpointing {setting.label} would fit"
-                f" ({format_bytes(evaluation.device_bytes)} per {hardware.device_word}): {evaluation.how}{knob}"
-            ]
+            needs = (
+                f"{format_bytes(evaluation.host_bytes)} of host memory per node"
+                if hardware.device_type == "cpu"  # one memory: the device total is 0
+                else f"{format_bytes(evaluation.device_bytes)} per {hardware.device_word}"
+            )
+            return [f"with --activation-checkpointing {setting.label} would fit ({needs}): {evaluation.how}{knob}"]
     return []
 
 
@@ -266,8 +404,10 @@ def make_plan(model: ModelShape, hardware: Hardware, training: Training, workloa
     evaluations = [
         evaluate(model, setting, hardware, training, workload) for setting in candidate_settings(model, hardware)
     ]
+    evaluations += disk_evaluations(model, hardware, training, workload)
     recommendation = recommend(evaluations, hardware)
     hint = _checkpointing_hint(model, hardware, training, workload, recommendation.label)
+    hint += _checkpoint_save_note(evaluations, hardware, recommendation.label)
     return Plan(
         model=model,
         hardware=hardware,

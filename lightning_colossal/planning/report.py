@@ -1,4 +1,4 @@
-"""A plan as a table for people and as JSON for programs."""
+"""A plan as a table for people and as JSON for programs: per rank, bytes on the device, in host memory and on disk."""
 
 from __future__ import annotations
 
@@ -6,49 +6,58 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning_colossal.planning.model_state import Placed
-from lightning_colossal.planning.planner import Evaluation, Plan
+from lightning_colossal.planning.planner import Evaluation, Hardware, Plan, checkpoint_host_bytes
 from lightning_colossal.planning.units import format_bytes
 
 __all__ = ["plan_to_json", "render_plan"]
 
+# Columns and their least widths (a longer cell widens its column); the disk columns only when a disk is weighed.
 _COLUMNS = (
-    "setting",
-    "parameters",
-    "gradients",
-    "optimizer",
-    "working",
-    "activations",
-    "{device}",
-    "host/node",
-    "fits",
+    ("setting", 31),
+    ("parameters", 21),
+    ("gradients", 21),
+    ("optimizer", 21),
+    ("working", 10),
+    ("activations", 11),
+    ("{device} total", 10),
+    ("host/rank", 10),
 )
-_WIDTHS = (31, 21, 21, 21, 10, 11, 10, 10, 8)
+_DISK_COLUMNS = (("disk/rank", 10), ("min disk I/O", 12))
+_FITS_COLUMN = ("fits", 8)
 
 
-# A part under 1% of its cell (Adam's 4-byte ``step`` scalars live on the CPU) is folded into the other part in the
+# A part under 1% of its cell (Adam's 4-byte ``step`` scalars live on the CPU) is folded into the other parts in the
 # table; the JSON keeps every byte where it lives.
 _NEGLIGIBLE = 0.01
 
 
 def _cell(placed: Placed) -> str:
-    """Bytes of a category on the device, ``H`` marking bytes in host memory."""
-    if placed.host <= _NEGLIGIBLE * placed.total:
-        return format_bytes(placed.total)
-    if placed.device <= _NEGLIGIBLE * placed.total:
-        return format_bytes(placed.total) + " H"
-    return f"{format_bytes(placed.device)}+{format_bytes(placed.host)} H"
+    """Bytes of a category on the device, ``H`` marking bytes in host memory and ``D`` bytes on disk."""
+    parts = ((placed.device, ""), (placed.host, " H"), (placed.disk, " D"))
+    significant = [(size, mark) for size, mark in parts if size > _NEGLIGIBLE * placed.total]
+    if len(significant) <= 1:
+        return format_bytes(placed.total) + (significant[0][1] if significant else "")
+    return "+".join(format_bytes(size) + mark for size, mark in significant)
 
 
 def _fits(evaluation: Evaluation, device_word: str) -> str:
     if evaluation.fits:
         return "yes"
-    if not evaluation.fits_device and not evaluation.fits_host:
-        return "no: both"
-    return f"no: {device_word}" if not evaluation.fits_device else "no: host"
+    short = [
+        word
+        for word, fits in (
+            (device_word, evaluation.fits_device),
+            ("host", evaluation.fits_host),
+            ("disk", evaluation.fits_disk),
+        )
+        if not fits
+    ]
+    return "no: " + "+".join(short)
 
 
-def _row(values: tuple[str, ...]) -> str:
-    return "  ".join(value.ljust(width) for value, width in zip(values, _WIDTHS, strict=True)).rstrip()
+def _table(rows: list[tuple[str, ...]], widths: list[int]) -> list[str]:
+    widths = [max(width, *(len(row[column]) for row in rows)) for column, width in enumerate(widths)]
+    return ["  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)).rstrip() for row in rows]
 
 
 def _nodes(count: int) -> str:
@@ -70,40 +79,74 @@ def _header_lines(plan: Plan) -> list[str]:
             f" {format_bytes(hardware.host_memory)} host per node"
         )
     checkpointing = "activation checkpointing" if workload.activation_checkpointing else "no activation checkpointing"
-    return [
+    lines = [
         f"Model     {plan.model.description}: {plan.model.numel:,} parameters in {len(plan.model.parameters)} tensors",
         f"Machines  {machines}",
+    ]
+    if hardware.disk is not None:
+        lines.append(f"Disk      {_disk_line(hardware)}")
+    per_node = f"host/node = host/rank x {hardware.devices_per_node}" if hardware.devices_per_node > 1 else ""
+    marks = '"H": in host memory' + (', "D": on disk' if hardware.disk is not None else "")
+    lines += [
         f"Training  {training.precision}, {training.optimizer.name}, micro-batch {workload.micro_batch_size} x"
         f" {workload.sequence_length} tokens, {checkpointing}",
         "",
         f"Per {word} (rank 0, the fullest). Model state is exact; working memory and activations are estimates."
-        ' "H": in host memory.',
+        f" {marks}{'; ' + per_node if per_node else ''}.",
     ]
+    if hardware.disk is not None:
+        lines.append(
+            "min disk I/O: each node's disk reads and writes every local rank's disk/rank once per optimizer step;"
+            " the time that takes at the disk's bandwidth is a lower bound of that step's I/O."
+        )
+    return lines
+
+
+def _disk_line(hardware: Hardware) -> str:
+    disk = hardware.disk
+    assert disk is not None
+    if disk.measured:
+        how = f"measured under {disk.path}" + ("" if disk.direct_io else " through the page cache (optimistic)")
+    else:
+        how = "as given" + (f", for {disk.path}" if disk.offload_dir is not None else "")
+    space = f"{format_bytes(disk.space)} free per node" if disk.space is not None else "free space not checked"
+    return (
+        f"{disk.read_bytes_per_second / 1e9:.2f} GB/s read, {disk.write_bytes_per_second / 1e9:.2f} GB/s write"
+        f" per node ({how}), {space}"
+    )
 
 
 def render_plan(plan: Plan) -> str:
     """The plan as text: header, one row per setting, the recommendation and notes."""
     word = plan.hardware.device_word
-    lines = _header_lines(plan)
-    lines.append(_row(tuple(column.format(device=f"{word} total") for column in _COLUMNS)))
+    has_disk = plan.hardware.disk is not None
+    columns = _COLUMNS + (_DISK_COLUMNS if has_disk else ()) + (_FITS_COLUMN,)
+    rows = [tuple(name.format(device=word) for name, _ in columns)]
     for evaluation in plan.evaluations:
         state = evaluation.model_state
         device_total = format_bytes(evaluation.device_bytes) if plan.hardware.device_type == "cuda" else "-"
-        lines.append(
-            _row(
-                (
-                    evaluation.setting.label,
-                    _cell(state.parameters),
-                    _cell(state.gradients),
-                    _cell(state.optimizer_state),
-                    _cell(evaluation.working.placed),
-                    format_bytes(evaluation.activations.total),
-                    device_total,
-                    format_bytes(evaluation.host_bytes),
-                    _fits(evaluation, word),
-                )
+        disk_cells: tuple[str, ...] = ()
+        if has_disk:
+            seconds = evaluation.disk_io_seconds
+            disk_cells = (
+                format_bytes(evaluation.disk_bytes_per_rank) if evaluation.setting.uses_disk else "-",
+                f"{seconds:.2f} s" if seconds is not None else "-",
+            )
+        rows.append(
+            (
+                evaluation.setting.label,
+                _cell(state.parameters),
+                _cell(state.gradients),
+                _cell(state.optimizer_state),
+                _cell(evaluation.working.placed),
+                format_bytes(evaluation.activations.total),
+                device_total,
+                format_bytes(evaluation.host_bytes_per_rank),
+                *disk_cells,
+                _fits(evaluation, word),
             )
         )
+    lines = _header_lines(plan) + _table(rows, [width for _, width in columns])
     recommendation = plan.recommendation
     lines += ["", f"Recommendation: {recommendation.reason}"]
     if recommendation.how is not None:
@@ -114,7 +157,18 @@ def render_plan(plan: Plan) -> str:
 
 
 def _placed(placed: Placed) -> dict[str, int]:
-    return {"device": placed.device, "host": placed.host}
+    return {"device": placed.device, "host": placed.host, "disk": placed.disk}
+
+
+def _disk_io(evaluation: Evaluation) -> dict[str, Any] | None:
+    if evaluation.disk_io_seconds is None:
+        return None
+    return {
+        "read_bytes_per_step_per_node": evaluation.disk_bytes,
+        "written_bytes_per_step_per_node": evaluation.disk_bytes,
+        "seconds_per_step_lower_bound": evaluation.disk_io_seconds,
+        "checkpoint_host_bytes_per_node": checkpoint_host_bytes(evaluation),
+    }
 
 
 def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
@@ -124,6 +178,7 @@ def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
         "family": evaluation.setting.family,
         "how": evaluation.how,
         "tp_size": evaluation.setting.tp_size,
+        "disk_fraction": evaluation.setting.disk_fraction,
         "model_state": {
             "parameters": _placed(state.parameters),
             "gradients": _placed(state.gradients),
@@ -132,9 +187,14 @@ def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
         "working": {**_placed(evaluation.working.placed), "what": evaluation.working.what},
         "activations": {**asdict(evaluation.activations), "total": evaluation.activations.total},
         "device_bytes": evaluation.device_bytes,
+        "host_bytes_per_rank": evaluation.host_bytes_per_rank,
         "host_bytes_per_node": evaluation.host_bytes,
+        "disk_bytes_per_rank": evaluation.disk_bytes_per_rank,
+        "disk_bytes_per_node": evaluation.disk_bytes,
+        "disk_io": _disk_io(evaluation),
         "fits_device": evaluation.fits_device,
         "fits_host": evaluation.fits_host,
+        "fits_disk": evaluation.fits_disk,
         "fits": evaluation.fits,
         "notes": list(evaluation.notes),
     }

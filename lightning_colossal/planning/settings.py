@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_colossal.planning.model_shape import ModelShape
 
 __all__ = [
+    "DISK_BASES",
     "Setting",
+    "disk_setting",
     "hybrid_settings",
     "offload_settings",
     "setting_named",
@@ -30,6 +32,8 @@ class Setting:
         zero_stage: ZeRO stage (zero family; hybrid's ``zero_stage``).
         offload: optimizer state (and for FSDP, parameters) in host memory.
         offload_parameters: Gemini's ``offload_param_frac`` (parameter shards in host memory too).
+        disk_fraction: share of the offloaded optimizer state (Adam's moments) on disk between steps (the disk tier:
+            ``ZeroConfig.disk_fraction``, ``StaticPlacement.disk_fraction``); needs ``offload``.
         tp_size: tensor-parallel ranks (hybrid).
         why_prefer: what this setting is good at, for the recommendation.
     """
@@ -40,8 +44,13 @@ class Setting:
     zero_stage: int = 0
     offload: bool = False
     offload_parameters: float = 0.0
+    disk_fraction: float = 0.0
     tp_size: int = 1
     why_prefer: str = ""
+
+    @property
+    def uses_disk(self) -> bool:
+        return self.disk_fraction > 0
 
 
 def _named(name: str, family: Family, why: str, **fields: object) -> Setting:
@@ -81,6 +90,50 @@ def offload_settings() -> list[Setting]:
             why_prefer="all model state on the host, only gathered chunks on the device",
         ),
     ]
+
+
+# The offload settings the disk tier extends (FSDP2's CPU offload has no disk tier), most preferred first.
+DISK_BASES = (
+    "colossal_zero1_offload",
+    "colossal_zero2_offload",
+    "colossal_gemini_offload",
+    "colossal_gemini (all offloaded)",
+)
+
+
+def _disk_how(base: Setting, fraction: float, offload_dir: str) -> str:
+    if base.family == "zero":
+        return (
+            f"ZeroStrategy(stage={base.zero_stage}, cpu_offload=True, offload_dir={offload_dir!r},"
+            f" disk_fraction={fraction})"
+        )
+    parameters = ", offload_param_frac=1.0" if base.offload_parameters else ""
+    sharding = "shard_param_frac=1.0, " if base.offload_parameters else ""
+    return (
+        f"GeminiStrategy(placement=StaticPlacement({sharding}offload_optim_frac=1.0{parameters},"
+        f" disk_fraction={fraction}), offload_dir={offload_dir!r})"
+    )
+
+
+def disk_setting(base_label: str, fraction: float, offload_dir: str) -> Setting:
+    """The offload setting ``base_label`` (one of ``DISK_BASES``) with ``fraction`` of its optimizer state (Adam's
+    moments) on disk under ``offload_dir``: masters and gradient shards stay in host memory.
+
+    Raises:
+        ValueError: a base without a disk tier, or a fraction outside (0, 1].
+    """
+    if base_label not in DISK_BASES:
+        raise ValueError(f"{base_label!r} has no disk tier; pass one of {', '.join(DISK_BASES)}.")
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"disk fraction {fraction}: pass a share in (0, 1].")
+    base = setting_named(base_label)
+    return replace(
+        base,
+        label=f"{base_label} + disk {fraction:.0%}",
+        how=_disk_how(base, fraction, offload_dir),
+        disk_fraction=fraction,
+        why_prefer=f"{base.why_prefer}; {fraction:.0%} of the optimizer state on disk",
+    )
 
 
 def tensor_parallel_sizes(model: ModelShape, devices_per_node: int) -> list[int]:

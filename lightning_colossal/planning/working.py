@@ -8,6 +8,8 @@
   reduces in the gradients themselves and needs about two buckets for the exchange.
 - Gemini: the gathered chunks in use (about two: the one computing and the one whose gradients are being reduced) and
   one chunk's fp32 full gradient (``gemini/manager.py``; ``max_prefetch`` adds more, 0 by default).
+- The disk tier: a step streams the records on disk through 3 host buffers of the largest record
+  (``disk/optimizer_state.py``: one being read, one stepped, one written); exact, as ``disk_staging_bytes``.
 - FSDP2: the root unit (everything outside the blocks: embeddings, final norm, head) stays gathered for the whole step
   with its unsharded gradient, plus two blocks' gathered parameters (the one running and the prefetched one) and one
   block's unsharded gradient; mixed precision gathers in the compute dtype and reduces in fp32.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.planning.chunks import chunk_layout
 from lightning_colossal.planning.model_shape import ModelShape
-from lightning_colossal.planning.model_state import FP32, Placed, Training
+from lightning_colossal.planning.model_state import FP32, Placed, Training, disk_records_of
 from lightning_colossal.planning.settings import Setting
 
 __all__ = ["Working", "working_memory"]
@@ -74,6 +76,17 @@ def _fsdp_buffers(model: ModelShape, training: Training) -> Working:
 
 def working_memory(model: ModelShape, setting: Setting, training: Training, world_size: int) -> Working:
     """Estimated working memory of the fullest rank under ``setting`` (``world_size``: data-parallel ranks)."""
+    working = _buffers(model, setting, training, world_size)
+    records = disk_records_of(model.shapes, setting, training, world_size, 0)
+    if not records.staging_bytes:
+        return working
+    return Working(
+        working.placed + Placed(host=records.staging_bytes),
+        f"{working.what} + up to 3 staging records of the disk tier on the host",
+    )
+
+
+def _buffers(model: ModelShape, setting: Setting, training: Training, world_size: int) -> Working:
     if setting.family == "ddp":
         return Working(
             Placed(device=model.numel * training.parameter_bytes), "DDP's gradient buckets (gradient_as_bucket_view)"

@@ -161,3 +161,72 @@ def test_activation_estimate_matches_saved_tensors_of_a_training_step(rank_pool_
         error = estimate / measured - 1
         print(f"{precision}: estimated {estimate} B, measured {measured} B, error {error:+.2%}")
         assert abs(error) <= ACTIVATION_TOLERANCE, (precision, estimate, measured, error)
+
+
+def disk_body(base: str, fraction: float, precision: str, offload_dir: str) -> list[dict[str, int]]:
+    """Train the test GPT with ``fraction`` of ``base``'s offloaded optimizer state on disk; per step, this rank's
+    model-state records and the disk tier's own bytes."""
+    from lightning_colossal import GeminiStrategy, StaticPlacement, ZeroStrategy
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(3)
+    module = GPTLightningModule(**SHAPE, warmup_steps=1)
+    monitor = MemoryMonitor(log_every_n_steps=1)
+    if base == "colossal_gemini_offload":
+        placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=fraction)
+        strategy: Any = GeminiStrategy(placement=placement, offload_dir=offload_dir)
+    else:
+        strategy = ZeroStrategy(stage=2, cpu_offload=True, offload_dir=offload_dir, disk_fraction=fraction)
+    trainer = quiet_trainer(
+        strategy=strategy, devices=WORLD_SIZE, max_steps=STEPS, precision=precision, callbacks=[monitor]
+    )
+    trainer.fit(module, train_dataloaders=_loader(SHAPE["vocab_size"], SEQUENCE, MICRO_BATCH))
+    report = trainer.strategy.engine.memory_report()
+    keys = ("parameters_bytes", "gradients_bytes", "optimizer_state_bytes")
+    return [
+        {
+            **{key: entry["ranks"][rank][key] for key in keys},
+            "disk_bytes": report.disk_bytes,
+            "disk_staging_bytes": report.disk_staging_bytes,
+        }
+        for entry in monitor.history
+    ]
+
+
+DISK_CASES = [
+    ("colossal_zero2_offload", 1.0, "32-true"),
+    ("colossal_zero2_offload", 0.5, "bf16-true"),
+    ("colossal_gemini_offload", 1.0, "32-true"),
+    ("colossal_gemini_offload", 1.0, "bf16-true"),
+]
+
+
+@pytest.mark.parametrize(("base", "fraction", "precision"), DISK_CASES, ids=[f"{b}-{f}-{p}" for b, f, p in DISK_CASES])
+def test_disk_tier_bytes_equal_the_engines_exactly(rank_pool_2, tmp_path, base, fraction, precision):
+    from lightning_colossal.planning.model_state import disk_records_of
+    from lightning_colossal.planning.settings import disk_setting
+
+    model = demo_model(OVERRIDES)
+    setting = disk_setting(base, fraction, str(tmp_path))
+    training = Training(precision, OPTIMIZERS["adamw"], device_type="cpu")
+    results = rank_pool_2.run(disk_body, base, fraction, precision, str(tmp_path), timeout=300)
+    for rank, records in enumerate(results):
+        planned = model_state(model.shapes, setting, training, WORLD_SIZE, rank)
+        staging = disk_records_of(model.shapes, setting, training, WORLD_SIZE, rank).staging_bytes
+        assert planned.placed.disk > 0
+        expected = (
+            planned.parameters.in_memory,
+            planned.gradients.in_memory,
+            planned.optimizer_state.in_memory,
+            planned.placed.disk,
+            staging,
+        )
+        for record in records:
+            measured = (
+                record["parameters_bytes"],
+                record["gradients_bytes"],
+                record["optimizer_state_bytes"],
+                record["disk_bytes"],
+                record["disk_staging_bytes"],
+            )
+            assert measured == expected, (base, fraction, precision, rank, record, planned)

@@ -306,7 +306,11 @@ def test_table_and_json(capsys):
     assert data["model"]["parameters"] == demo_model().numel
     zero2 = next(entry for entry in data["settings"] if entry["setting"] == "colossal_zero2")
     state = model_state(demo_model().shapes, setting_named("colossal_zero2"), Training("bf16-mixed", ADAMW), 8, 0)
-    assert zero2["model_state"]["gradients"] == {"device": state.gradients.device, "host": state.gradients.host}
+    assert zero2["model_state"]["gradients"] == {
+        "device": state.gradients.device,
+        "host": state.gradients.host,
+        "disk": 0,
+    }
     assert isinstance(zero2["device_bytes"], int) and zero2["fits"] is True
 
 
