@@ -25,7 +25,11 @@ from tests.fresh_interpreter import run_python
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_colossal"
 ENGINES = ("zero", "gemini", "parallel", "fsdp")
 # What the engines build on, and which of the project's packages each may import (itself included).
-SHARED_LAYERS = {"distributed": ("distributed",), "engine_parts": ("engine_parts", "distributed")}
+SHARED_LAYERS = {
+    "distributed": ("distributed",),
+    "engine_parts": ("engine_parts", "distributed"),
+    "disk": ("disk", "distributed"),
+}
 MAY_IMPORT_LIGHTNING = ("strategies", "precision.py", "callbacks", "demo", "__init__.py")
 # Lightning adapters and the demo: engines import none of them (they import lightning, and the demo is a workload).
 FORBIDDEN_FOR_ENGINES = ("demo", "strategies", "precision", "callbacks")
@@ -310,7 +314,7 @@ def test_engines_do_not_import_each_other():
 
 
 def test_the_shared_layers_import_no_engine():
-    # Engines share code through engine_parts/ and distributed/, never through each other: those two import no
+    # Engines share code through engine_parts/, disk/ and distributed/, never through each other: those import no
     # engine, and communication (distributed/) does not import the engine machinery built on it.
     offenders = []
     for relative, tree in _modules():
@@ -322,7 +326,8 @@ def test_the_shared_layers_import_no_engine():
             if parts[0] == "lightning_colossal" and (len(parts) == 1 or parts[1] not in SHARED_LAYERS[layer]):
                 offenders.append(f"{relative}: imports {name}")
     assert not offenders, (
-        "engine_parts/ may import only itself and distributed/, distributed/ only itself:\n" + "\n".join(offenders)
+        "engine_parts/ and disk/ may import only themselves and distributed/, distributed/ only itself:\n"
+        + "\n".join(offenders)
     )
 
 
