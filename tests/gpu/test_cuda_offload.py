@@ -5,7 +5,8 @@
   from the CUDA random stream, so the CPU oracle, which draws from the host's, is not the reference here).
 - A resumed run is the uninterrupted run: ZeRO-2 offload under bf16-true (checkpoints hold the fp32 masters), Gemini
   with parameters and optimizer offloaded, and Gemini's automatic placement with a budget that splits the chunks
-  between the GPU and the host under 16-mixed (overflow flags on two devices). The resume compares weights, not
+  between the GPU and the host under 16-mixed (overflow flags on two devices), and both with the optimizer state in
+  the disk tier (pinned staging beside the GPU). The resume compares weights, not
   step counts: a resume that loads into copies of the host state instead of the state itself restarts silently.
 
 Each run is a fresh interpreter, so the process group and CUDA context never leak into pytest.
@@ -82,6 +83,19 @@ RESUME_SCRIPT = textwrap.dedent(
             lambda: GeminiStrategy(placement=AutoPlacement(compute_memory_budget=48 * 2**20), chunk_numel=1100),
             "16-mixed",
         ),
+        # The disk tier beside a GPU: pinned staging, optimizer state streamed from disk, masters on the host.
+        "gemini-disk-bf16-true": (
+            lambda: GeminiStrategy(
+                placement=StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0),
+                chunk_numel=1100,
+                offload_dir=path + ".tier",
+            ),
+            "bf16-true",
+        ),
+        "zero2-disk-16-mixed": (
+            lambda: ZeroStrategy(stage=2, cpu_offload=True, offload_dir=path + ".tier", disk_fraction=1.0),
+            "16-mixed",
+        ),
     }
     make, precision = strategies[case]
     strategy = make()
@@ -96,6 +110,8 @@ RESUME_SCRIPT = textwrap.dedent(
     if case == "gemini-auto-mixed-16":
         masters = {chunk.master.device.type for chunk in strategy.engine.manager.chunks}
         print("master devices", masters)
+    if "disk" in case:
+        assert strategy.engine.disk_state is not None and strategy.engine.disk_state.bytes_read > 0
     state = float_state(module)
     assert all(torch.isfinite(tensor).all() for tensor in state.values())
     torch.save(state, out)
@@ -104,7 +120,16 @@ RESUME_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("case", ["zero2-offload-bf16-true", "gemini-offload", "gemini-auto-mixed-16"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "zero2-offload-bf16-true",
+        "gemini-offload",
+        "gemini-auto-mixed-16",
+        "gemini-disk-bf16-true",
+        "zero2-disk-16-mixed",
+    ],
+)
 def test_resumed_offload_run_is_the_uninterrupted_run(tmp_path, case):
     path = str(tmp_path / "run.ckpt")
     run_script(tmp_path, RESUME_SCRIPT, case, "straight", path, str(tmp_path / "straight.pt"))
