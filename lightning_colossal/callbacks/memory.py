@@ -49,7 +49,8 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
     """This rank's memory now (see the module's Note "what MemoryMonitor counts").
 
     Returns a flat mapping of ints (``parameters_bytes``, ``gradients_bytes``, ``optimizer_state_bytes``,
-    ``rss_bytes``, ``cuda_allocated_bytes`` / ``cuda_max_allocated_bytes`` on CUDA, ``gemini_*`` on Gemini) and, on
+    ``rss_bytes``, ``cuda_allocated_bytes`` / ``cuda_max_allocated_bytes`` on CUDA, ``gemini_*`` on Gemini,
+    ``disk_bytes`` / ``disk_staging_bytes`` with the disk tier) and, on
     Gemini, ``"chunks"``: per chunk ``(compute_bytes, offload_bytes)``.
     """
     engine = getattr(trainer.strategy, "engine", None)
@@ -67,6 +68,10 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
         record["chunks"] = [(chunk.compute, chunk.offload) for chunk in engine.memory_by_chunk()]
     elif isinstance(engine, ZeroEngine):
         state = zero_model_state_bytes(engine.memory_report()._asdict())
+    if isinstance(engine, GeminiEngine | ZeroEngine) and engine.disk_state is not None:
+        report = engine.memory_report()
+        record["disk_bytes"] = report.disk_bytes  # the disk tier's optimizer state (not in the model-state figures)
+        record["disk_staging_bytes"] = report.disk_staging_bytes
     else:
         # The optimizer's own tensors too: an engine may keep reduced gradients on separate masters; shared storage
         # is counted once.
@@ -157,6 +162,7 @@ class MemoryMonitor(Callback):
             ("other: CUDA allocated", "cuda_allocated_bytes"),
             ("Gemini: chunks on compute device", "gemini_compute_bytes"),
             ("Gemini: chunks offloaded", "gemini_offload_bytes"),
+            ("disk tier: optimizer state on disk", "disk_bytes"),
         ]
         last_ranks = self.history[-1]["ranks"]
         panels = [(title, key) for title, key in panels if any(key in record for record in last_ranks)]
