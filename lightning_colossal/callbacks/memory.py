@@ -68,10 +68,6 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
         record["chunks"] = [(chunk.compute, chunk.offload) for chunk in engine.memory_by_chunk()]
     elif isinstance(engine, ZeroEngine):
         state = zero_model_state_bytes(engine.memory_report()._asdict())
-    if isinstance(engine, GeminiEngine | ZeroEngine) and engine.disk_state is not None:
-        report = engine.memory_report()
-        record["disk_bytes"] = report.disk_bytes  # the disk tier's optimizer state (not in the model-state figures)
-        record["disk_staging_bytes"] = report.disk_staging_bytes
     else:
         # The optimizer's own tensors too: an engine may keep reduced gradients on separate masters; shared storage
         # is counted once.
@@ -81,6 +77,10 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
             "gradients": gradient_bytes([*pl_module.parameters(), *stepped]),
             "optimizer_state": optimizer_state_bytes(trainer.optimizers)[0],
         }
+    if isinstance(engine, GeminiEngine | ZeroEngine) and engine.disk_state is not None:
+        disk = engine.memory_report()
+        record["disk_bytes"] = disk.disk_bytes  # the disk tier's optimizer state (not in the model-state figures)
+        record["disk_staging_bytes"] = disk.disk_staging_bytes
     record["parameters_bytes"] = state["parameters"]
     record["gradients_bytes"] = state["gradients"]
     record["optimizer_state_bytes"] = state["optimizer_state"]
