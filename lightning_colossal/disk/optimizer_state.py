@@ -164,6 +164,7 @@ class DiskOptimizerState:
         self.on_disk = {id(entry.master) for record in self.records for entry in record.entries}
         self.slot_bytes = max((record.nbytes for record in self.records), default=0)
         self._streaming = False
+        self._slots: list[Tensor] | None = None
         self._guard = optimizer.register_step_pre_hook(self._refuse_outside_streaming) if self.records else None
         self.bytes_read = 0
         self.bytes_written = 0
@@ -196,6 +197,7 @@ class DiskOptimizerState:
             for entry in record.entries:
                 self.optimizer.state.get(entry.master, {}).pop(entry.key, None)
         self.records = []
+        self._slots = None
         self.file.close()
         self.file.directory.close()
 
@@ -238,14 +240,15 @@ class DiskOptimizerState:
             for master in group["params"]
             if id(master) not in self.on_disk
         }
-        output = None
-        if resident:
-            output = self._step_only(resident)
         if not self.records:
-            return output
-        slots: deque[Tensor] = deque(
-            aligned_buffer(self.slot_bytes, self.beside) for _ in range(min(STAGING_SLOTS, len(self.records)))
-        )
+            return self._step_only(resident) if resident else None
+        if self._slots is None:
+            # Kept from step to step: pinned host memory is slow to allocate, and the three buffers are the tier's
+            # whole host footprint (``staging_bytes``).
+            self._slots = [
+                aligned_buffer(self.slot_bytes, self.beside) for _ in range(min(STAGING_SLOTS, len(self.records)))
+            ]
+        slots: deque[Tensor] = deque(self._slots)
         writes: deque[tuple[Future[None], Tensor]] = deque()
         reads: dict[int, tuple[Future[None] | None, Tensor]] = {}
 
@@ -262,8 +265,11 @@ class DiskOptimizerState:
             future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None
             reads[index] = (future, slot)
 
+        output = None
         try:
-            start_read(0)
+            start_read(0)  # the first record is read while the parameters kept in memory step
+            if resident:
+                output = self._step_only(resident)
             for index, record in enumerate(self.records):
                 if index + 1 < len(self.records):
                     start_read(index + 1)
