@@ -16,6 +16,13 @@ Per strategy, the GPT grows in depth at a fixed width. The planner's formulas (`
 the depth predicted to fit; real 2-rank runs then confirm the largest depth that fits and the first that does not,
 walking out from the prediction by doubling steps and bisecting (``search_largest``). Fitting is taken to be monotone
 in depth. See ``benchmarks/README.md``.
+
+The disk rows (``colossal_gemini_auto_disk``, ``colossal_gemini_offload_all_disk``) keep optimizer state on disk
+under ``--offload-dir`` and must also keep their host model state within ``--host-budget-mib`` (H) per rank; they train
+their own workload (``row_arguments``). Example (``benchmarks/RESULTS.md``, "The disk tier")::
+
+    python -m benchmarks.capacity --budget-mib 64 --strategies colossal_ddp,colossal_gemini_auto_disk
+        --host-budget-mib 2048 --max-layers 200 --peak-rule events --run-timeout 900   (one line)
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,6 +59,9 @@ class CapacityStrategy:
         planner_setting: the planner setting (``standard_settings``/``offload_settings`` label) whose formulas
             predict the device bytes.
         enforcement: how B is held, for the report.
+        disk: the row keeps optimizer state on disk (``offload_dir``) and is held to a host budget H as well; it trains
+            the disk workload (``--disk-embed-dim``, ``--disk-heads``, chunks of the largest parameter, activation
+            checkpointing, the GPT built on the meta device; see ``row_arguments``).
     """
 
     label: str
@@ -58,6 +69,7 @@ class CapacityStrategy:
     init_args: dict[str, Any]
     planner_setting: str
     enforcement: str
+    disk: bool = False
 
 
 # Buckets are sized for the budget: ZeRO's default 25 MiB bucket would alone take most of a 64 MiB budget, and DDP's
@@ -115,6 +127,33 @@ STRATEGIES: dict[str, CapacityStrategy] = {
             "colossal_gemini (all offloaded)",
             "measured: Gemini chunk bytes on the compute device (static placement, parameter shards offloaded too)",
         ),
+        CapacityStrategy(
+            "colossal_gemini_auto_disk",
+            "colossal_gemini",
+            {"placement": "budget+host"},
+            "colossal_gemini_offload",
+            "B and H enforced by the engine (AutoPlacement(compute_memory_budget=B, host_memory_budget=H), the"
+            " optimizer state of the chunks beyond H on disk under offload_dir) and measured as for Gemini; host model"
+            " state (chunk bytes off the compute device) measured against H",
+            disk=True,
+        ),
+        CapacityStrategy(
+            "colossal_gemini_offload_all_disk",
+            "colossal_gemini",
+            {
+                "placement": {
+                    "kind": "static",
+                    "shard_param_frac": 1.0,
+                    "offload_optim_frac": 1.0,
+                    "offload_param_frac": 1.0,
+                    "disk_fraction": 1.0,
+                }
+            },
+            "colossal_gemini (all offloaded)",
+            "measured: Gemini chunk bytes on the compute device (static placement, everything offloaded, all optimizer"
+            " state on disk); host model state measured against H (not enforced by the engine)",
+            disk=True,
+        ),
     )
 }
 DEFAULT_STRATEGIES = (
@@ -126,6 +165,27 @@ DEFAULT_STRATEGIES = (
 # ---------------------------------------------------------------------------------------------------------------
 # Prediction (planner formulas) and search (pure logic, unit-tested without training)
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def row_arguments(strategy: CapacityStrategy, arguments: argparse.Namespace) -> argparse.Namespace:
+    """The workload a row trains: the command line's, or for a disk row the disk workload. A model of hundreds of
+    millions of parameters under B = 64 MiB needs it: wide layers (parameters grow with width squared, activations
+    with width), chunks just large enough for the largest parameter (the MLP's 4·d² weight; 4·d² + 8·d packs a block
+    into 3 full chunks: the working set of gathered chunks counts against B), each block recomputing its activations in backward (automatic placement
+    budgets traced activations inside B), and the GPT built on the meta device so that no rank holds it whole."""
+    if not strategy.disk:
+        return argparse.Namespace(**{**vars(arguments), "activation_checkpointing": False, "meta_init": False})
+    embed_dim = arguments.disk_embed_dim
+    return argparse.Namespace(
+        **{
+            **vars(arguments),
+            "embed_dim": embed_dim,
+            "heads": arguments.disk_heads,
+            "chunk_numel": arguments.disk_chunk_numel or 4 * embed_dim * embed_dim + 8 * embed_dim,
+            "activation_checkpointing": arguments.disk_activation_checkpointing,
+            "meta_init": True,
+        }
+    )
 
 
 def model_config(arguments: argparse.Namespace, layers: int) -> dict[str, Any]:
@@ -169,6 +229,14 @@ def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Names
         device += 3 * arguments.world_size * (int(strategy.init_args["bucket_size_mb"] * MIB) + 4 * largest)
     if strategy.strategy.startswith("colossal_gemini"):
         device += 3 * 4 * arguments.chunk_numel
+    if strategy.init_args.get("placement") == "budget+host":
+        workload = Workload(
+            micro_batch_size=arguments.batch_size_per_rank,
+            sequence_length=arguments.sequence_length,
+            activation_checkpointing=arguments.activation_checkpointing,
+        )
+        activations = activation_estimate(model, training, workload).total
+        device = math.ceil((3 * 4 * arguments.chunk_numel + activations) / 0.9)
     if strategy.label == "colossal_gemini_auto":
         workload = Workload(micro_batch_size=arguments.batch_size_per_rank, sequence_length=arguments.sequence_length)
         activations = activation_estimate(model, training, workload).total
@@ -177,6 +245,29 @@ def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Names
         traced_weights = 4 * model.numel
         device = math.ceil((3 * 4 * arguments.chunk_numel + activations + traced_weights) / 0.9)
     return device
+
+
+def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int) -> int:
+    """Host bytes of a disk row's rank at ``layers`` blocks with all optimizer state on disk, as automatic placement
+    counts them against H: every fp32 shard and its fp32 gradient shard (8 bytes per element of a rank's share of the
+    chunks). The disk tier's staging buffers are not counted (nor by the engine). 0 for other rows."""
+    if not strategy.disk:
+        return 0
+    from lightning_colossal.planning.sources import DemoOverrides, demo_model
+
+    config = model_config(arguments, layers)
+    model = demo_model(
+        DemoOverrides(
+            layers=layers,
+            hidden=config["embed_dim"],
+            heads=config["num_heads"],
+            vocab=config["vocab_size"],
+            block_size=config["block_size"],
+        )
+    )
+    chunks = math.ceil(model.numel / arguments.chunk_numel)
+    shard = math.ceil(arguments.chunk_numel / arguments.world_size)
+    return chunks * shard * 8
 
 
 def largest_predicted(predict: Callable[[int], int], budget: int, max_layers: int) -> int:
@@ -229,9 +320,12 @@ def search_largest(fits: Callable[[int], bool], guess: int, max_layers: int) -> 
     return fitting, failing
 
 
-def classify(ranks: list[dict[str, Any]], world_size: int, steps: int, budget: int) -> tuple[bool, str]:
+def classify(
+    ranks: list[dict[str, Any]], world_size: int, steps: int, budget: int, host_budget: int | None = None
+) -> tuple[bool, str]:
     """Whether a run fits B, and why not: every rank reported, trained ``steps`` steps with finite losses, and no
-    sample of its device model-state bytes exceeded ``budget``."""
+    sample of its device model-state bytes exceeded ``budget`` (nor, with ``host_budget``, of its host model-state
+    bytes)."""
     if len(ranks) < world_size:
         return False, f"only {len(ranks)} of {world_size} ranks reported (killed, or out of host memory)"
     errors = [rank["error"] for rank in ranks if rank.get("error")]
@@ -244,6 +338,10 @@ def classify(ranks: list[dict[str, Any]], world_size: int, steps: int, budget: i
     peak = max(rank["peak_device_bytes"] for rank in ranks)
     if peak > budget:
         return False, f"device model state peaked at {peak / MIB:.2f} MiB > B"
+    if host_budget is not None:
+        host_peak = max(rank.get("peak_host_bytes", 0) for rank in ranks)
+        if host_peak > host_budget:
+            return False, f"host model state peaked at {host_peak / MIB:.2f} MiB > H"
     return True, "fits"
 
 
@@ -266,6 +364,17 @@ def rank_arguments(strategy: CapacityStrategy, arguments: argparse.Namespace) ->
     init_args = dict(strategy.init_args)
     if init_args.get("placement") == "budget":
         init_args["placement"] = {"kind": "auto", "compute_memory_budget": arguments.budget_mib * MIB}
+    if init_args.get("placement") == "budget+host":
+        init_args["placement"] = {
+            "kind": "auto",
+            "compute_memory_budget": int(arguments.budget_mib * MIB),
+            "host_memory_budget": int(arguments.host_budget_mib * MIB),
+        }
+    if strategy.disk:
+        init_args["offload_dir"] = str(arguments.offload_dir)
+        # The GPT is built on the meta device; Gemini materialises it window by window, and its default window
+        # (1 GiB of parameters at once) would dominate a rank's RSS, which these rows report next to H.
+        init_args["init_window_bytes"] = 64 * MIB
     if strategy.strategy.startswith("colossal_gemini"):
         # The searched chunk size grows with the model (up to 17M elements, 64 MiB gathered): a budget of tens of MiB
         # needs chunks sized for it, as a user with that budget would set them.
@@ -274,7 +383,8 @@ def rank_arguments(strategy: CapacityStrategy, arguments: argparse.Namespace) ->
 
 
 def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int, scratch: Path) -> dict[str, Any]:
-    """Train ``layers`` blocks under ``strategy`` on ``world_size`` ranks and say whether it fits B."""
+    """Train ``layers`` blocks under ``strategy`` on ``world_size`` ranks (``arguments``: the row's, from
+    ``row_arguments``) and say whether it fits B (and H for a disk row)."""
     directory = scratch / f"{strategy.label}_{layers}"
     directory.mkdir(parents=True)
     spec = {
@@ -287,6 +397,9 @@ def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers:
         "steps": arguments.steps,
         "learning_rate": 3e-4,
         "seed": 0,
+        "activation_checkpointing": arguments.activation_checkpointing,
+        "meta_init": arguments.meta_init,
+        "peak_rule": arguments.peak_rule,
     }
     spec_path = directory / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
@@ -303,7 +416,8 @@ def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers:
     except RunFailed as error:
         failure = str(error)
     ranks = [json.loads(path.read_text()) for path in sorted(directory.glob("rank*.json"))]
-    fits, reason = classify(ranks, arguments.world_size, arguments.steps, arguments.budget_mib * MIB)
+    host_budget = arguments.host_budget_mib * MIB if strategy.disk else None
+    fits, reason = classify(ranks, arguments.world_size, arguments.steps, arguments.budget_mib * MIB, host_budget)
     if failure is not None and fits:
         fits, reason = False, failure.splitlines()[0]
     outcome = {
@@ -323,10 +437,16 @@ def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers:
 
 def measure_strategy(strategy: CapacityStrategy, arguments: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """Predict, then search by real runs; every run's outcome is kept."""
+    arguments = row_arguments(strategy, arguments)
     budget = arguments.budget_mib * MIB
-    guess = largest_predicted(
-        lambda layers: predicted_device_bytes(strategy, arguments, layers), budget, arguments.max_layers
-    )
+
+    def predicted(layers: int) -> int:
+        # A depth whose host bytes exceed H does not fit, whatever its device bytes.
+        if strategy.disk and predicted_host_bytes(strategy, arguments, layers) > arguments.host_budget_mib * MIB:
+            return budget + 1
+        return predicted_device_bytes(strategy, arguments, layers)
+
+    guess = largest_predicted(predicted, budget, arguments.max_layers)
     outcomes: dict[int, dict[str, Any]] = {}
 
     def fits(layers: int) -> bool:
@@ -342,6 +462,12 @@ def measure_strategy(strategy: CapacityStrategy, arguments: argparse.Namespace, 
         "enforcement": strategy.enforcement,
         "predicted_layers": guess,
         "predicted_device_bytes": predicted_device_bytes(strategy, arguments, guess),
+        "predicted_host_bytes": predicted_host_bytes(strategy, arguments, guess),
+        "workload": {
+            key: getattr(arguments, key)
+            for key in ("embed_dim", "heads", "chunk_numel", "activation_checkpointing", "meta_init")
+        },
+        "host_budget_bytes": arguments.host_budget_mib * MIB if strategy.disk else None,
         "largest": None if largest is None else _summary(outcomes[largest]),
         "first_failing": None if first_failing is None else _summary(outcomes[first_failing]),
         "runs": [outcomes[layers] for layers in sorted(outcomes)],
@@ -356,9 +482,19 @@ def _summary(outcome: dict[str, Any]) -> dict[str, Any]:
         summary["last_loss"] = ranks[0]["losses"][-1] if ranks[0]["losses"] else None
         summary["step_seconds"] = max((max(rank["step_seconds"], default=0.0) for rank in ranks), default=None)
         summary["peak_source"] = ranks[0].get("peak_source")
-        for key in ("peak_working_set_bytes", "evictions", "traced_activation_peak_bytes", "sampled_peak_device_bytes"):
+        for key in (
+            "peak_working_set_bytes",
+            "evictions",
+            "traced_activation_peak_bytes",
+            "sampled_peak_device_bytes",
+            "peak_host_bytes",
+            "disk_bytes",
+            "disk_staging_bytes",
+        ):
             if key in ranks[0]:
                 summary[key] = max(rank[key] for rank in ranks)
+        summary["peak_rss_bytes_per_rank"] = [rank.get("peak_rss_bytes") for rank in ranks]
+        summary["step_seconds_per_rank"] = [rank["step_seconds"] for rank in ranks]
         summary["peak_breakdown_rank0"] = ranks[0]["peak_breakdown"]
     return summary
 
@@ -419,7 +555,34 @@ def markdown(results: dict[str, dict[str, Any]], arguments: argparse.Namespace, 
     ]
     for label, result in results.items():
         lines.append(f"- {label}: {result['enforcement']}; planner predicted {result['predicted_layers']} layers.")
+        if result.get("host_budget_bytes") is not None:
+            lines.append(f"  {disk_note(result)}")
     return "\n".join(lines)
+
+
+def disk_note(result: dict[str, Any]) -> str:
+    """What a disk row trained and held: its workload, H, and at its largest fitting depth the host and disk bytes,
+    peak RSS and step times per rank."""
+    workload = result["workload"]
+    note = (
+        f"Workload: d{workload['embed_dim']}, {workload['heads']} heads, chunks of {workload['chunk_numel']:,}"
+        f" elements, activation checkpointing {'on' if workload['activation_checkpointing'] else 'off'}, built on the"
+        f" meta device; H = {result['host_budget_bytes'] / MIB:g} MiB per rank."
+    )
+    largest = result["largest"]
+    if largest is None or "peak_host_bytes" not in largest:
+        return note
+    rss = " / ".join(f"{value / MIB:.0f}" for value in largest["peak_rss_bytes_per_rank"] if value)
+    steps = " / ".join(
+        ", ".join(f"{seconds:.1f}" for seconds in per_rank) for per_rank in largest["step_seconds_per_rank"]
+    )
+    return (
+        f"{note} At {largest['layers']} layers: host model state peaked at {largest['peak_host_bytes'] / MIB:.1f} MiB"
+        f" (+ {largest.get('disk_staging_bytes', 0) / MIB:.1f} MiB of the disk tier's staging buffers, which H does"
+        " not count), optimizer state on disk"
+        f" {largest.get('disk_bytes', 0) / MIB:.1f} MiB per rank, peak RSS {rss} MiB per rank, step times {steps} s"
+        " per rank."
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -440,14 +603,44 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-layers", type=int, default=64, help="search cap (host RAM and time bound it)")
     parser.add_argument("--chunk-numel", type=int, default=2**19, help="Gemini chunk elements (fixed, not searched)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--host-budget-mib", type=float, default=2048.0, help="H: host model-state MiB per rank (disk rows)"
+    )
+    parser.add_argument(
+        "--offload-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "lightning_colossal_capacity_disk",
+        help="disk rows: where the disk tier's per-run directories go (removed after each run)",
+    )
+    parser.add_argument(
+        "--peak-rule",
+        choices=["bound", "events"],
+        default="bound",
+        help="Gemini's peak for the verdict: resident maximum + working-set maximum (bound, the default), or the"
+        " maximum sampled at every hook and every growth of the working set (events); both are in the JSON",
+    )
+    parser.add_argument("--disk-embed-dim", type=int, default=512, help="disk rows: the GPT's width")
+    parser.add_argument("--disk-heads", type=int, default=8, help="disk rows: attention heads")
+    parser.add_argument(
+        "--disk-chunk-numel",
+        type=int,
+        default=None,
+        help="disk rows: chunk elements (default 4·d² + 8·d: the largest weight, a block in 3 full chunks)",
+    )
+    parser.add_argument(
+        "--no-disk-activation-checkpointing",
+        dest="disk_activation_checkpointing",
+        action="store_false",
+        help="disk rows: keep every block's activations for backward",
+    )
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds before a run is killed")
     parser.add_argument("--output", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "out" / "capacity.json")
     arguments = parser.parse_args(argv)
     unknown = [name for name in arguments.strategies.split(",") if name not in STRATEGIES]
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
-    if arguments.budget_mib <= 0 or arguments.max_layers < 1 or arguments.steps < 1:
-        parser.error("--budget-mib, --max-layers and --steps must be positive")
+    if arguments.budget_mib <= 0 or arguments.max_layers < 1 or arguments.steps < 1 or arguments.host_budget_mib <= 0:
+        parser.error("--budget-mib, --host-budget-mib, --max-layers and --steps must be positive")
     return arguments
 
 
@@ -458,9 +651,14 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parse_arguments(argv)
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="capacity_") as scratch:
-        for label in arguments.strategies.split(","):
-            results[label] = measure_strategy(STRATEGIES[label], arguments, Path(scratch))
+    created = not arguments.offload_dir.exists()
+    try:
+        with tempfile.TemporaryDirectory(prefix="capacity_") as scratch:
+            for label in arguments.strategies.split(","):
+                results[label] = measure_strategy(STRATEGIES[label], arguments, Path(scratch))
+    finally:
+        if created:  # the disk rows' offload_dir, when this run made it (the tier removed its own directories)
+            shutil.rmtree(arguments.offload_dir, ignore_errors=True)
     context = {
         "cpu": cpu_description(),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -30,10 +30,21 @@ class BenchmarkModule(LightningModule):
     """Next-token training of the GPT with plain AdamW: no scheduler and no logging, so nothing but the
     strategy differs between configurations and nothing synchronises outside the strategy."""
 
-    def __init__(self, model_config: GPTConfig, learning_rate: float) -> None:
+    def __init__(
+        self,
+        model_config: GPTConfig,
+        learning_rate: float,
+        activation_checkpointing: bool = False,
+        meta_init: bool = False,
+    ) -> None:
+        """``activation_checkpointing``: every block recomputes its activations in backward
+        (``torch.utils.checkpoint``, non-reentrant); ``meta_init``: the GPT is built on the meta device, for a strategy
+        that materialises it shard by shard (``materialises_meta_models``: Gemini), so no rank ever holds it whole."""
         super().__init__()
         self.model_config = model_config
         self.learning_rate = learning_rate
+        self.activation_checkpointing = activation_checkpointing
+        self.meta_init = meta_init
         self.model: GPT | None = None
         # Set by configure_model when the logits come out vocabulary-sharded (Lightning's tensor-parallel peer).
         self.loss_parallel = False
@@ -42,7 +53,11 @@ class BenchmarkModule(LightningModule):
         # Built here so sharded strategies can build it inside their own init contexts; idempotent.
         if self.model is not None:
             return
-        self.model = GPT(self.model_config)
+        with torch.device("meta") if self.meta_init else nullcontext():
+            self.model = GPT(self.model_config)
+        if self.activation_checkpointing:
+            for block in self.model.blocks:
+                checkpoint_blocks_forward(block)
         if isinstance(self.trainer.strategy, ModelParallelStrategy):
             # Lightning's ModelParallelStrategy leaves parallelisation to the user. Its mesh says which: tensor
             # parallelism over the tensor_parallel axis when that has more than one rank, FSDP2 over the
@@ -81,6 +96,21 @@ class BenchmarkModule(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.learning_rate)
+
+
+def checkpoint_blocks_forward(block: torch.nn.Module) -> None:
+    """Run ``block``'s forward under ``torch.utils.checkpoint`` (non-reentrant): only its input is saved, and its
+    activations are recomputed in backward. The block's own module hooks run once, around the checkpoint; its
+    submodules' hooks run in the forward and again in the recomputation (what the engines' hooks expect of
+    ``torch.utils.checkpoint``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    def checkpointed(*args: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False)
+
+    block.forward = checkpointed  # type: ignore[method-assign]
 
 
 def apply_tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:

@@ -71,6 +71,10 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         on_nonfinite: ``"raise"``, ``"skip"`` or ``"warn"`` on a non-finite loss or gradient without a loss scaler
             (``precision.py`` [Note: non-finite values without a loss scaler]); ``None`` keeps the precision
             plugin's setting (``"raise"`` unless a ``ColossalPrecision`` says otherwise).
+        async_checkpoint: write checkpoints saved during ``fit`` in the background from host copies, while training
+            goes on (as ``Trainer(plugins=[AsyncCheckpointIO()])`` does); the next save, a load and the end of
+            ``fit`` wait for it and raise its error (``strategies/checkpointing.py`` [Note: when saves run in the
+            background]). Also settable as ``strategy.async_checkpoint``.
         accelerator: the accelerator (normally chosen by the ``Trainer``).
         parallel_devices: devices of this node (normally chosen by the ``Trainer``).
         cluster_environment: how ranks are found (normally detected: torchrun, SLURM, Lightning's own launcher).
@@ -102,6 +106,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         loss_scaler: LossScalerConfig | None = None,
         heartbeat_timeout: timedelta | None = DEFAULT_HEARTBEAT_TIMEOUT,
         on_nonfinite: NonFiniteAction | None = None,
+        async_checkpoint: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -119,6 +124,7 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         self._loss_scaler_config = loss_scaler
         self.heartbeat_timeout = heartbeat_timeout
         self._on_nonfinite = None if on_nonfinite is None else validate_nonfinite_action(on_nonfinite)
+        self.async_checkpoint = bool(async_checkpoint)
         self._watchdog = None
         self._num_nodes = 1
         self._device_mesh = None
@@ -153,6 +159,13 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
             plugin.on_nonfinite = self._on_nonfinite
 
     # ---------------------------------------------------------------------------------------------- set-up
+    def teardown(self) -> None:
+        # First, while the watchdog still runs: the checkpoint still being written in the background (checkpointing.py).
+        error = self._finish_background_save(self._failure_being_torn_down())
+        super().teardown()
+        if error is not None:
+            raise error
+
     def _prepare_module(self, trainer: Any) -> bool:
         """The start every mode's ``setup`` shares: accelerator, SyncBatchNorm (when fitting), precision, device.
 

@@ -11,6 +11,16 @@ Sharded strategies must load into the *wrapped* model and the *real* optimizers,
 is True and ``load_checkpoint`` itself fills weights, optimizer state and RNG state in place (DCP reshards on the way).
 Lightning's ``load_model_state_dict`` / ``load_optimizer_state_dict`` are then no-ops; Lightning still restores loops,
 callbacks, LR schedulers and the precision plugin (loss scaler) from the entries ``load_checkpoint`` returns.
+
+[Note: when saves run in the background]
+With ``async_checkpoint=True`` or Lightning's ``AsyncCheckpointIO`` plugin, a save made inside the fit loop (from
+``on_train_start`` to ``on_train_end``: ``ModelCheckpoint``, ``trainer.save_checkpoint`` from a callback) is staged
+and written in the background (``checkpoint/async_save.py``); saves outside it (after ``fit``, from ``on_fit_end``)
+are synchronous, since nothing would wait for them and their error would go unseen. Every save, every load and
+``on_train_end`` first wait for the save in flight and raise its error; teardown waits too (after a failed run the
+save's error becomes a note of the run's error). ``remove_checkpoint`` deletes a checkpoint only after the save in
+flight committed, so ``ModelCheckpoint(save_top_k=k)`` never holds fewer than it would with synchronous saves.
+The plugin's own thread is not used: these strategies write their own format, not through ``checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -26,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_colossal.checkpoint import async_save
 from lightning_colossal.checkpoint.format import CheckpointDescription, SavedItems, TrainingTensors
 from lightning_colossal.checkpoint.huggingface import describe_huggingface_model
 from lightning_colossal.checkpoint.layout import CheckpointFiles, CheckpointKind, locate_checkpoint
@@ -47,6 +59,10 @@ from lightning_colossal.strategies.processes import ProcessGroupMixin
 
 class CheckpointingMixin(ProcessGroupMixin):
     """Checkpoint save and load of ``ColossalStrategy`` (see the module docstring); it needs the processes' ranks."""
+
+    #: Write checkpoints saved inside the fit loop in the background ([Note: when saves run in the background]).
+    async_checkpoint: bool = False
+    _in_fit_loop = False
 
     # ---------------------------------------------------------------------------------------------- a mode's hooks
     def model_state_for_checkpoint(self) -> dict[str, Any]:
@@ -116,6 +132,7 @@ class CheckpointingMixin(ProcessGroupMixin):
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: lightning_colossal writes"
                 " its own sharded format. Drop storage_options."
             )
+        async_save.wait_for_background_save()  # one save at a time; a failed one raises here, naming its path
         path = Path(self.broadcast(str(filepath)))
         tensors = TrainingTensors(
             model=self._with_first_replica_buffers(checkpoint.pop("state_dict")),
@@ -132,7 +149,39 @@ class CheckpointingMixin(ProcessGroupMixin):
                 describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
             ),
         )
-        save_sharded(path, tensors.to_state(), checkpoint, description=description)
+        if self.saves_in_background():
+            async_save.save_in_background(path, tensors.to_state(), checkpoint, description, self._timeout)
+        else:
+            save_sharded(path, tensors.to_state(), checkpoint, description=description)
+
+    def saves_in_background(self) -> bool:
+        """Whether a save now would be written in the background ([Note: when saves run in the background])."""
+        wanted = self.async_checkpoint or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+        return wanted and self._in_fit_loop
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._in_fit_loop = True
+        if self.saves_in_background():
+            # Made here rather than at the first save, which would wait for it (a collective of every rank).
+            async_save.background_group(self._timeout)
+
+    def on_train_end(self) -> None:
+        self._in_fit_loop = False
+        async_save.wait_for_background_save()  # the fit's last save is complete when fit returns, or its error raised
+        super().on_train_end()
+
+    def _finish_background_save(self, failure: BaseException | None) -> BaseException | None:
+        """Wait for the save in flight at teardown; its error is returned to raise, or, after a failed run
+        (``failure``), added to that run's error as a note."""
+        self._in_fit_loop = False
+        try:
+            async_save.wait_for_background_save()
+        except async_save.BackgroundSaveError as error:
+            if failure is None:
+                return error
+            failure.add_note(f"lightning_colossal: {error}")
+        return None
 
     def _with_first_replica_buffers(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """``model_state`` with every buffer replaced by a copy of the first data-parallel replica's value.
@@ -160,9 +209,11 @@ class CheckpointingMixin(ProcessGroupMixin):
     def remove_checkpoint(self, filepath: str | Path) -> None:
         # A checkpoint is its file and its shards directory (see checkpoint/layout.py); Lightning would delete the file.
         if self.is_global_zero:
-            remove_checkpoint(filepath)
+            # Not before the save in flight committed: a crash until then keeps this checkpoint as the latest one.
+            async_save.remove_after_background_save(lambda: remove_checkpoint(filepath))
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        async_save.wait_for_background_save()  # the path may be the one being written
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         trainer = self.lightning_module._trainer
