@@ -140,7 +140,6 @@ class DiskOptimizerState:
         self.optimizer = optimizer
         self.file = tier_file
         self.beside = beside
-        self.on_disk = {id(master) for group in groups for master in group}
         moments = _state_layout_by_group(optimizer)
         group_of = {
             id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]

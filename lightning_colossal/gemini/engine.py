@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
+from lightning_colossal.disk.engine_tier import EngineDiskTier
 from lightning_colossal.disk.optimizer_state import DiskOptimizerState, open_disk_state, state_bytes_per_element
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
@@ -59,7 +60,7 @@ class GeminiMemoryReport(NamedTuple):
     disk_staging_bytes: int = 0  # host buffers the disk tier streams that state through during a step
 
 
-class GeminiEngine:
+class GeminiEngine(EngineDiskTier):
     """Shards ``module``'s parameters in chunks over the ranks of ``device_mesh`` and runs them (frozen ones too:
     layout.py [Note: frozen chunks]).
 
@@ -306,12 +307,6 @@ class GeminiEngine:
         self.hooks.prepare_backward(loss)
 
     # ---------------------------------------------------------------------------------------------- step
-    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """``optimizer.step(**kwargs)``, streaming the state of the chunks on disk through the disk tier."""
-        if self.disk_state is None:
-            return optimizer.step(**kwargs)
-        return self.disk_state.step(self.process_group, **kwargs)
-
     def after_step(self, stepped: bool) -> None:
         """Refresh the working shards from the stepped masters, drop gathered (now stale) chunks, zero gradients."""
         self.release_all()
@@ -408,30 +403,13 @@ class GeminiEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         assert self.optimizer is not None
-        if self.disk_state is not None:
-            # The state on disk is read into host tensors for the checkpoint (disk/optimizer_state.py: the next step
-            # binds the records again and drops these copies).
-            masters = [entry.master for entry in self.sharded_masters]
-            sharded_state.initialise_optimizer_state(self.optimizer, masters, step=self.disk_state.step)
-            self.disk_state.materialise()
+        self._read_disk_state_for_checkpoint()
         return sharded_state.optimizer_state_by_name(self.optimizer, self.sharded_masters, self.device_mesh)
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         assert self.optimizer is not None
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
-        if self.disk_state is not None:
-            self.disk_state.store()
-
-    def release_checkpoint_copies(self) -> None:
-        """Drop the host copies of on-disk optimizer state a checkpoint read (unchanged since: nothing to write)."""
-        if self.disk_state is not None:
-            self.disk_state.release()
-
-    def close_disk_tier(self) -> None:
-        """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
-        if self.disk_state is not None:
-            self.disk_state.close()
-            self.disk_state = None
+        self._write_loaded_state_to_disk()
 
 
 def _held_parameters(optimizer: Optimizer | None, module: nn.Module) -> set[int] | None:

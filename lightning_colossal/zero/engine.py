@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig, bucket_numel
+from lightning_colossal.disk.engine_tier import EngineDiskTier
 from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder, open_disk_state
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
@@ -69,7 +70,7 @@ class ReducedGradient(NamedTuple):
     replicated: bool  # every rank of the reduction group holds the same values (counted once in a global norm)
 
 
-class ZeroEngine:
+class ZeroEngine(EngineDiskTier):
     """Shards the optimizer of ``module`` over the ranks of ``device_mesh`` (a 1-D data-parallel mesh).
 
     Args:
@@ -269,23 +270,6 @@ class ZeroEngine:
         if reduction_deferred:
             self.reduce_now()
 
-    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """``optimizer.step(**kwargs)``, streaming the state on disk through the disk tier."""
-        if self.disk_state is None:
-            return optimizer.step(**kwargs)
-        return self.disk_state.step(self.process_group, **kwargs)
-
-    def release_checkpoint_copies(self) -> None:
-        """Drop the host copies of on-disk optimizer state a checkpoint read (unchanged since: nothing to write)."""
-        if self.disk_state is not None:
-            self.disk_state.release()
-
-    def close_disk_tier(self) -> None:
-        """Remove the disk tier's files (its state is lost: after the run, or when the engine is dropped)."""
-        if self.disk_state is not None:
-            self.disk_state.close()
-            self.disk_state = None
-
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica, then clear gradients for the next step."""
         if stepped:
@@ -472,10 +456,7 @@ class ZeroEngine:
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
-        if self.disk_state is not None:
-            # Read from disk for the checkpoint (the next step binds the records again and drops these copies).
-            sharded_state.initialise_optimizer_state(self.optimizer, self.masters, step=self.disk_state.step)
-            self.disk_state.materialise()
+        self._read_disk_state_for_checkpoint()
         return sharded_state.optimizer_state_by_name(
             self.optimizer, self.sharded_masters, self.device_mesh, self.describe
         )
@@ -483,8 +464,7 @@ class ZeroEngine:
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
-        if self.disk_state is not None:
-            self.disk_state.store()
+        self._write_loaded_state_to_disk()
 
     def reduce_now(self) -> None:
         """Reduce the gradients accumulated so far, outside of a backward pass (after a pipeline schedule, whose
