@@ -94,6 +94,37 @@ def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
     return [sum(_element_size(dtype) for _, dtype in layout) for layout in _state_layout_by_group(optimizer)]
 
 
+def record_bytes(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]]) -> list[int]:
+    """Per group of masters, the bytes of its record in the tier (its state tensors, each aligned inside it), as
+    ``DiskOptimizerState`` will lay it out: what a budget decides with before the tier exists."""
+    return [record.nbytes for record in _lay_out_records(optimizer, groups)]
+
+
+def staging_bytes_for(record_sizes: Sequence[int]) -> int:
+    """Host bytes of the staging buffers a tier of records of ``record_sizes`` bytes streams its step through."""
+    sizes = [size for size in record_sizes if size]
+    return min(STAGING_SLOTS, len(sizes)) * align_up(max(sizes)) if sizes else 0
+
+
+def _lay_out_records(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]]) -> list[_Record]:
+    """One record per group: each master's state tensors (the optimizer's layout) at aligned offsets."""
+    moments = _state_layout_by_group(optimizer)
+    group_of = {id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]}
+    records = []
+    for masters in groups:
+        record = _Record(list(masters))
+        offset = 0
+        for master in masters:
+            for key, dtype in moments[group_of[id(master)]]:
+                offset = -(-offset // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
+                entry = _Entry(master, key, dtype, offset)
+                record.entries.append(entry)
+                offset += entry.nbytes
+        record.nbytes = offset
+        records.append(record)
+    return records
+
+
 def open_disk_state(
     optimizer: Optimizer,
     groups: Sequence[Sequence[Tensor]],
@@ -140,21 +171,8 @@ class DiskOptimizerState:
         self.optimizer = optimizer
         self.file = tier_file
         self.beside = beside
-        moments = _state_layout_by_group(optimizer)
-        group_of = {
-            id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]
-        }
         self.records: list[_Record] = []
-        for masters in groups:
-            record = _Record(list(masters))
-            offset = 0
-            for master in masters:
-                for key, dtype in moments[group_of[id(master)]]:
-                    offset = -(-offset // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
-                    entry = _Entry(master, key, dtype, offset)
-                    record.entries.append(entry)
-                    offset += entry.nbytes
-            record.nbytes = offset
+        for record in _lay_out_records(optimizer, groups):
             if record.nbytes:
                 record.file_offset = tier_file.reserve(record.nbytes)
             self.records.append(record)
@@ -176,7 +194,7 @@ class DiskOptimizerState:
     @property
     def staging_bytes(self) -> int:
         """Host bytes a step streams the state through."""
-        return min(STAGING_SLOTS, len(self.records)) * align_up(self.slot_bytes)
+        return staging_bytes_for([record.nbytes for record in self.records])
 
     def _refuse_outside_streaming(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if not self._streaming:

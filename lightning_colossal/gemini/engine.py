@@ -27,7 +27,12 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, AutoPlacement, GeminiConfig
 from lightning_colossal.disk.engine_tier import EngineDiskTier
-from lightning_colossal.disk.optimizer_state import DiskOptimizerState, open_disk_state, state_bytes_per_element
+from lightning_colossal.disk.optimizer_state import (
+    DiskOptimizerState,
+    open_disk_state,
+    record_bytes,
+    staging_bytes_for,
+)
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
@@ -183,10 +188,7 @@ class GeminiEngine(EngineDiskTier):
         if isinstance(placement, AutoPlacement):
             if placement.host_memory_budget is None:
                 return None
-            per_element = _state_bytes_per_master(optimizer)
-            state_bytes = [
-                sum(view.numel() * per_element[id(view)] for view in chunk.master_views) for chunk in trainable
-            ]
+            state_bytes = record_bytes(optimizer, [chunk.master_views for chunk in trainable])
             host_bytes = [
                 _host_bytes_without_state(chunk) + state for chunk, state in zip(trainable, state_bytes, strict=True)
             ]
@@ -196,6 +198,7 @@ class GeminiEngine(EngineDiskTier):
                 [*state_bytes, 0],
                 placement.host_memory_budget,
                 has_disk=self.config.offload_dir is not None,
+                staging_bytes=staging_bytes_for,
             )
         else:
             on_disk = self.manager.plan.disk_optimizer
@@ -443,14 +446,6 @@ def _split_parameters(
 
 def _tensor_bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _state_bytes_per_master(optimizer: Optimizer) -> dict[int, int]:
-    """Per master (by id), the bytes of optimizer state per element it will have (``disk.state_bytes_per_element``)."""
-    per_group = state_bytes_per_element(optimizer)
-    return {
-        id(master): per_group[index] for index, group in enumerate(optimizer.param_groups) for master in group["params"]
-    }
 
 
 def _host_bytes_without_state(chunk: Chunk) -> int:

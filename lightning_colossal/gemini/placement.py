@@ -9,7 +9,7 @@ which is optimal for a known future; the future is the module order traced in th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from lightning_colossal.config import StaticPlacement
@@ -63,7 +63,11 @@ class HostBudgetTooSmall(ValueError):
 
 
 def disk_by_host_budget(
-    host_bytes: Sequence[int], state_bytes: Sequence[int], budget: int, has_disk: bool
+    host_bytes: Sequence[int],
+    state_bytes: Sequence[int],
+    budget: int,
+    has_disk: bool,
+    staging_bytes: Callable[[Sequence[int]], int] = lambda sizes: 0,
 ) -> frozenset[int]:
     """The chunks whose optimizer state goes to disk so that this rank's host bytes fit ``budget``: the last chunks
     first (the first chunks' state stays in memory, like ``offload_optim_frac`` counts them).
@@ -73,23 +77,26 @@ def disk_by_host_budget(
         state_bytes: per chunk, the optimizer state's share of those bytes (what the disk can take).
         budget: the host-memory budget in bytes.
         has_disk: whether an ``offload_dir`` was given.
+        staging_bytes: the host buffers the tier streams the chosen chunks' state through, from their state bytes
+            (``disk.optimizer_state.staging_bytes_for``): counted against the budget too.
     """
-    total = sum(host_bytes)
-    chosen: set[int] = set()
+    kept = sum(host_bytes)
+    chosen: list[int] = []
     for index in reversed(range(len(host_bytes))):
-        if total <= budget or not has_disk:
+        if kept + staging_bytes([state_bytes[i] for i in chosen]) <= budget or not has_disk:
             break
         if state_bytes[index]:
-            total -= state_bytes[index]
-            chosen.add(index)
+            kept -= state_bytes[index]
+            chosen.append(index)
+    total = kept + staging_bytes([state_bytes[i] for i in chosen])
     if total > budget:
-        least = total if not has_disk else sum(host_bytes) - sum(state_bytes)
+        least = total if not has_disk else sum(host_bytes) - sum(state_bytes) + staging_bytes(state_bytes)
         fix = (
             "raise host_memory_budget, train on more ranks (each holds 1/N of the state), or pass offload_dir to put"
             " optimizer state on disk"
             if not has_disk
-            else "raise host_memory_budget or train on more ranks (each holds 1/N); fp32 masters, gradient shards"
-            " and offloaded parameter shards stay in host memory"
+            else "raise host_memory_budget or train on more ranks (each holds 1/N); fp32 masters, gradient shards,"
+            " offloaded parameter shards and the tier's staging buffers stay in host memory"
         )
         raise HostBudgetTooSmall(
             f"This rank's model state needs {least:,} bytes of host memory"

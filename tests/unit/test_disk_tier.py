@@ -29,6 +29,7 @@ from lightning_colossal.disk.optimizer_state import (
     is_placeholder,
     open_disk_state,
     placeholder,
+    staging_bytes_for,
     state_bytes_per_element,
 )
 from lightning_colossal.gemini.placement import HostBudgetTooSmall, disk_by_host_budget
@@ -210,6 +211,24 @@ def test_host_budget_sends_the_last_chunks_state_to_disk():
         disk_by_host_budget(host, state, 120, has_disk=True)
     with pytest.raises(HostBudgetTooSmall, match="pass offload_dir"):
         disk_by_host_budget(host, state, 300, has_disk=False)
+
+
+def test_host_budget_counts_the_staging_buffers():
+    host = [100, 100, 100, 100, 10]
+    state = [60, 60, 60, 60, 0]
+
+    def staging(sizes):  # the tier's rule: up to three buffers of the largest record
+        return min(3, len(sizes)) * max(sizes, default=0)
+
+    # State alone, two records on disk meet 300 (410 - 120 = 290). Counting the buffers, n records on disk leave
+    # 410 - 60n + 60 min(3, n): 410 for n <= 3 and 350 for n = 4, so 360 needs all four and 300 cannot be met.
+    assert disk_by_host_budget(host, state, 300, has_disk=True) == frozenset({2, 3})
+    assert disk_by_host_budget(host, state, 360, has_disk=True, staging_bytes=staging) == frozenset({0, 1, 2, 3})
+    with pytest.raises(HostBudgetTooSmall, match="staging buffers"):
+        disk_by_host_budget(host, state, 300, has_disk=True, staging_bytes=staging)
+    assert staging_bytes_for([0, 5000, 100]) == 2 * 8192
+    assert staging_bytes_for([10, 10, 10, 10]) == 3 * 4096
+    assert staging_bytes_for([]) == 0
 
 
 @pytest.mark.parametrize(
