@@ -52,6 +52,7 @@ from lightning_colossal.checkpoint import sharded
 from lightning_colossal.checkpoint.format import CheckpointDescription
 from lightning_colossal.distributed import collectives, device, group_cache
 from lightning_colossal.distributed.in_flight import Collective
+from lightning_colossal.engine_parts import stand_ins
 
 THREAD_NAME = "lightning_colossal-checkpoint-save"
 
@@ -84,6 +85,12 @@ def stage(state: Any) -> Any:
 
     def walk(value: Any) -> Any:
         if isinstance(value, Tensor):
+            if id(value) not in copies and stand_ins.deferred_of(value) is not None:
+                # A stand-in for state kept elsewhere (the disk tier): its value now, read from there.
+                value_now = stand_ins.resolve(value.to_local() if isinstance(value, DTensor) else value)
+                copies[id(value)] = (
+                    DTensor(value_now, value._spec, requires_grad=False) if isinstance(value, DTensor) else value_now
+                )
             if id(value) not in copies:
                 if isinstance(value, DTensor):
                     # The sharding (mesh, placements, whole shape and stride) is the original's, so DCP plans the

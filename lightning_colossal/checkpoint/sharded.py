@@ -26,11 +26,17 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_colossal.checkpoint import atomic
+from lightning_colossal.checkpoint.deferred import (
+    DeferredLoadPlanner,
+    DeferredSavePlanner,
+    deferred_save_writer,
+    has_stand_ins,
+)
 from lightning_colossal.checkpoint.format import MODEL_KEY, CheckpointDescription, TrainingTensors
 from lightning_colossal.checkpoint.layout import (
     DCP_METADATA_FILENAME,
@@ -79,7 +85,9 @@ def save_sharded(
     collectives.barrier(group)
     committed = False
     try:
-        dcp.save(tensor_state, storage_writer=FileSystemWriter(staging), process_group=group)
+        # One file per rank, written item by item: stand-ins are read as DCP reaches them ([Note: deferred tensors]).
+        writer = deferred_save_writer(str(staging)) if has_stand_ins() else FileSystemWriter(staging)
+        dcp.save(tensor_state, storage_writer=writer, planner=DeferredSavePlanner(), process_group=group)
         if is_committer:
             os.replace(staging, shards)
             contents = dict(metadata)
@@ -223,12 +231,9 @@ def load_sharded(
     otherwise DCP raises naming the key.
     """
     with _damage_explained(Path(shards)):
-        dcp.load(
-            tensor_state,
-            storage_reader=FileSystemReader(str(shards)),
-            planner=DefaultLoadPlanner(allow_partial_load=allow_partial),
-            process_group=group,
-        )
+        planner = DeferredLoadPlanner(allow_partial_load=allow_partial)
+        dcp.load(tensor_state, storage_reader=FileSystemReader(str(shards)), planner=planner, process_group=group)
+        planner.finish()
 
 
 def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> dict[str, Any]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.disk.optimizer_state import DiskOptimizerState
 from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.engine_parts.stand_ins import deferred_of
 
 
 class EngineDiskTier:
@@ -37,17 +40,34 @@ class EngineDiskTier:
             self.disk_state = None
 
     def _read_disk_state_for_checkpoint(self) -> None:
-        """Before describing the optimizer state for a checkpoint: read the state on disk into host tensors (after
-        a first, zero-learning-rate step if the optimizer never stepped). The next step binds the records again and
-        drops these copies; so does ``release_checkpoint_copies``."""
+        """Before describing the optimizer state for a checkpoint (to save it, or as the destination of a load):
+        stand-ins for the state on disk, which the checkpoint reads or fills one at a time ([Note: deferred
+        tensors] in ``engine_parts/stand_ins.py``), after a first, zero-learning-rate step if the optimizer never
+        stepped. ``release_checkpoint_copies`` (after a save) and the load put the placeholders back."""
         if self.disk_state is None:
             return
         assert self.optimizer is not None
         masters = [master for group in self.optimizer.param_groups for master in group["params"]]
         sharded_state.initialise_optimizer_state(self.optimizer, masters, step=self.disk_state.step)
-        self.disk_state.materialise()
+        self.disk_state.defer()
+
+    def _prepare_disk_state_for_load(self, loaded: dict[str, Any]) -> None:
+        """Before applying a loaded optimizer state: a checkpoint without shards brings whole tensors, which are
+        copied into the live state, so that state is read into host tensors first (the loaded file is in host
+        memory whole anyway). A sharded load already went through the stand-ins."""
+        if self.disk_state is not None and _holds_whole_tensors(loaded):
+            self.disk_state.materialise()
 
     def _write_loaded_state_to_disk(self) -> None:
-        """After a checkpoint's optimizer state was loaded into host tensors: write it to the tier."""
+        """After a checkpoint's optimizer state was loaded: write what is in host tensors to the tier."""
         if self.disk_state is not None:
             self.disk_state.store()
+
+
+def _holds_whole_tensors(loaded: dict[str, Any]) -> bool:
+    """Whether a loaded optimizer state has state tensors that are neither pieces (DTensors) nor stand-ins."""
+    return any(
+        isinstance(value, Tensor) and value.dim() > 0 and not isinstance(value, DTensor) and deferred_of(value) is None
+        for entries in loaded.get("state", {}).values()
+        for value in entries.values()
+    )

@@ -21,6 +21,7 @@ change what they compute.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -36,6 +37,7 @@ from torch.optim import Optimizer
 from lightning_colossal.disk.files import DiskTierError, DiskTierFull, TierDirectory, TierFile, align_up, aligned_buffer
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.engine_parts import stand_ins
 
 _HOST = torch.device("cpu")
 #: The one zero per dtype every placeholder views (what makes a placeholder recognisable at any size).
@@ -185,6 +187,10 @@ class DiskOptimizerState:
         self._guard = optimizer.register_step_pre_hook(self._refuse_outside_streaming) if self.records else None
         self.bytes_read = 0
         self.bytes_written = 0
+        # A checkpoint's entry reads and writes (``defer``): the one record open in host memory.
+        self._open_record: _Record | None = None
+        self._open_buffer: Tensor | None = None
+        self._open_record_changed = False
 
     @property
     def planned_bytes(self) -> int:
@@ -209,6 +215,7 @@ class DiskOptimizerState:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        self._finish_deferred()
         # The placeholders go too: nothing may later read zeros as this state.
         for record in self.records:
             for entry in record.entries:
@@ -251,6 +258,7 @@ class DiskOptimizerState:
     def _step(self, **kwargs: Any) -> Any:
         if kwargs.get("closure") is not None:
             raise ValueError("The disk tier steps the optimizer record by record and cannot run a closure in step().")
+        self._finish_deferred()  # a checkpoint described the state and nobody released it
         resident = {
             id(master)
             for group in self.optimizer.param_groups
@@ -344,8 +352,66 @@ class DiskOptimizerState:
             self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
 
     # ------------------------------------------------------------------------------------------------------ checkpoints
+    def defer(self) -> None:
+        """Put a stand-in for each state tensor on disk into ``optimizer.state``: a checkpoint save reads, and a load
+        fills, them one at a time through this tier ([Note: deferred tensors] in ``engine_parts/stand_ins.py``), so
+        neither holds this rank's state in host memory. ``release`` (after a save) and ``store`` (after a load)
+        put the placeholders back."""
+        self._finish_deferred()
+        for record in self.records:
+            if not record.written:
+                continue
+            for entry in record.entries:
+                self.optimizer.state[entry.master][entry.key] = stand_ins.stand_in(
+                    entry.master.shape,
+                    entry.dtype,
+                    read=functools.partial(self._read_entry, record, entry),
+                    write=functools.partial(self._write_entry, record, entry),
+                )
+
+    def _open(self, record: _Record) -> Tensor:
+        """The host buffer holding ``record`` for entry reads and writes (one record at a time)."""
+        if self._open_record is not record:
+            self._close_open_record()
+            if self._open_buffer is None:
+                self._open_buffer = aligned_buffer(self.slot_bytes)
+            self.file.read_now(record.file_offset, self._open_buffer[: _io_bytes(record)])
+            self.bytes_read += _io_bytes(record)
+            self._open_record = record
+        assert self._open_buffer is not None
+        return self._open_buffer
+
+    def _read_entry(self, record: _Record, entry: _Entry) -> Tensor:
+        return _view(self._open(record), entry).clone()
+
+    def _write_entry(self, record: _Record, entry: _Entry, value: Tensor) -> None:
+        _view(self._open(record), entry).copy_(value)
+        self._open_record_changed = True
+
+    def _close_open_record(self) -> None:
+        record = self._open_record
+        if record is not None and self._open_record_changed:
+            assert self._open_buffer is not None
+            self.file.write_now(record.file_offset, self._open_buffer[: _io_bytes(record)])
+            self.bytes_written += _io_bytes(record)
+        self._open_record = None
+        self._open_record_changed = False
+
+    def _finish_deferred(self) -> None:
+        """Write the record a load was filling, withdraw the stand-ins and put placeholders back."""
+        self._close_open_record()
+        self._open_buffer = None
+        for record in self.records:
+            for entry in record.entries:
+                current = self.optimizer.state.get(entry.master, {}).get(entry.key)
+                if current is not None and stand_ins.deferred_of(current) is not None:
+                    stand_ins.withdraw(current)
+                    self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
+
     def materialise(self) -> None:
-        """Read every record into fresh tensors in ``optimizer.state`` (for a checkpoint; ``store`` undoes it)."""
+        """Read every record into fresh tensors in ``optimizer.state`` (a load of whole tensors copies into them;
+        ``store`` undoes it)."""
+        self._finish_deferred()
         for record in self.records:
             if not record.written:
                 continue
@@ -355,13 +421,16 @@ class DiskOptimizerState:
                 self.optimizer.state[entry.master][entry.key] = _view(buffer, entry).clone()
 
     def release(self) -> None:
-        """Put placeholders back for records ``materialise`` read (their values are still those on disk)."""
+        """Put placeholders back after a checkpoint save (the values on disk did not change)."""
+        self._finish_deferred()
         for record in self.records:
             if record.written:
                 self._unbind(record)
 
     def store(self) -> None:
-        """Write the state tensors now in ``optimizer.state`` to their records and put placeholders back."""
+        """After a load: finish what it wrote through stand-ins, write whole state tensors now in
+        ``optimizer.state`` to their records, and put placeholders back."""
+        self._finish_deferred()
         for record in self.records:
             state_present = all(
                 isinstance(self.optimizer.state.get(entry.master, {}).get(entry.key), Tensor)

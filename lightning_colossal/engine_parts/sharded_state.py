@@ -167,6 +167,8 @@ def load_optimizer_state_by_name(
             if isinstance(value, DTensor):
                 if current is None or value.to_local().data_ptr() != current.data_ptr():
                     live[key] = value.to_local().to(master.device).clone()
+            elif isinstance(value, Tensor) and value is current:
+                pass  # DCP filled the live tensor in place
             elif isinstance(value, Tensor) and isinstance(current, Tensor) and is_shard_state(current, master):
                 current.copy_(owned_rows_of(value, entry.spec) if value.shape == entry.spec.shape else value)
             elif isinstance(value, Tensor) and isinstance(current, Tensor):

@@ -411,6 +411,7 @@ class GeminiEngine(EngineDiskTier):
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         assert self.optimizer is not None
+        self._prepare_disk_state_for_load(loaded)
         sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
         self._write_loaded_state_to_disk()
 

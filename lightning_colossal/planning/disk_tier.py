@@ -83,6 +83,14 @@ class DiskRecords:
         return sum(_align(size, RECORD_ALIGNMENT) for size in self.record_bytes)
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Host bytes a checkpoint save or load of these records adds: the one record open for entry reads or writes
+        and one entry's value (``engine_parts/stand_ins.py`` [Note: deferred tensors]); at most two records."""
+        if not self.record_bytes:
+            return 0
+        return 2 * _align(max(self.record_bytes), RECORD_ALIGNMENT)
+
+    @property
     def staging_bytes(self) -> int:
         """Host bytes a step streams the records through (``DiskOptimizerState.staging_bytes``)."""
         if not self.record_bytes:

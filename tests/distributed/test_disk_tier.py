@@ -10,8 +10,10 @@ Checkpoints: a checkpoint saved with the disk tier resumes under another strateg
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_colossal import AutoPlacement, GeminiStrategy, HybridParallelStrategy, StaticPlacement, ZeroStrategy
 from lightning_colossal.config import ZeroConfig
 from lightning_colossal.disk.files import TIER_PREFIX, DiskTierFull
-from lightning_colossal.disk.optimizer_state import is_placeholder
+from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder
+from lightning_colossal.engine_parts import stand_ins
 from tests.distributed.oracle import (
     RegressionModule,
     assert_matches_oracle,
@@ -290,18 +293,59 @@ def test_disk_filling_mid_run_names_the_directory_and_keeps_the_last_checkpoint(
     assert all(result["step"] >= 1 for result in resumed)
 
 
+@contextlib.contextmanager
+def _entry_by_entry() -> Iterator[dict[str, int]]:
+    """Within: reading the whole on-disk state into host memory fails, and the checkpoint's reads and writes of
+    single entries through the tier's stand-ins are counted ([Note: deferred tensors])."""
+    counts = {"reads": 0, "writes": 0, "most_values_held": 0}
+    read, write = DiskOptimizerState._read_entry, DiskOptimizerState._write_entry
+    values: list[torch.Tensor] = []
+
+    def counted_read(self: Any, *args: Any) -> Any:
+        counts["reads"] += 1
+        # Entries read before and still holding memory (DCP's writer keeps a reference to each until its file is
+        # closed): the save must have let them go.
+        held = sum(1 for value in values if value.untyped_storage().nbytes() > 0)
+        counts["most_values_held"] = max(counts["most_values_held"], held)
+        value = read(self, *args)
+        values.append(value)
+        return value
+
+    def counted_write(self: Any, *args: Any) -> Any:
+        counts["writes"] += 1
+        return write(self, *args)
+
+    def refused(self: Any) -> None:
+        raise AssertionError("the checkpoint read the whole on-disk optimizer state into host memory")
+
+    patches = {"_read_entry": counted_read, "_write_entry": counted_write, "materialise": refused}
+    saved = {name: getattr(DiskOptimizerState, name) for name in patches}
+    for name, replacement in patches.items():
+        setattr(DiskOptimizerState, name, replacement)
+    try:
+        yield counts
+    finally:
+        for name, original in saved.items():
+            setattr(DiskOptimizerState, name, original)
+
+
 def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str, Any]:
     module = new_module()
     trainer = quiet_trainer(
         strategy=_strategy(kind, offload_dir), devices=torch.distributed.get_world_size(), max_steps=3
     )
     trainer.fit(module)
-    trainer.save_checkpoint(checkpoint)
+    with _entry_by_entry() as counts:
+        trainer.save_checkpoint(checkpoint)
     disk_state = trainer.strategy.engine.disk_state
     if disk_state is not None:
-        # The checkpoint read the state from disk; once written, host memory holds none of it again.
+        # The checkpoint read the state entry by entry; once written, host memory holds none of it again.
+        entries = [e for record in disk_state.records for e in record.entries]
+        assert counts["reads"] == len(entries) and counts["writes"] == 0, counts
+        assert counts["most_values_held"] == 0, counts
         state = disk_state.optimizer.state
-        assert all(is_placeholder(state[e.master][e.key]) for record in disk_state.records for e in record.entries)
+        assert all(is_placeholder(state[e.master][e.key]) for e in entries)
+        assert not stand_ins._REGISTRY, "stand-ins outlived the save"
     return {}
 
 
@@ -309,7 +353,11 @@ def _resume_and_train_body(kind: str, offload_dir: str | None, checkpoint: str) 
     module = new_module()
     strategy = _strategy(kind, offload_dir) if kind != "ddp" else "colossal_ddp"
     trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6)
-    trainer.fit(module, ckpt_path=checkpoint)
+    with _entry_by_entry() as counts:
+        trainer.fit(module, ckpt_path=checkpoint)
+    if offload_dir is not None and kind != "ddp":
+        # The load filled the state entry by entry, writing each record as it completed.
+        assert counts["writes"] > 0, counts
     return {"parameters": float_state(module)}
 
 
@@ -321,12 +369,18 @@ def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2
     rank_pool_2.run(_save_body, kind, None, without)
     # Resume the disk tier's checkpoint with the disk tier, in memory, and under colossal_ddp: each equals resuming
     # the checkpoint saved without the tier the same way.
+    resumed = {}
     for resume_kind, resume_dir in [(kind, str(tmp_path / "tier2")), (kind, None), ("ddp", None)]:
         from_disk = rank_pool_2.run(_resume_and_train_body, resume_kind, resume_dir, with_disk)
         from_memory = rank_pool_2.run(_resume_and_train_body, resume_kind, resume_dir, without)
         for a, b in zip(from_disk, from_memory, strict=True):
             for name, value in b["parameters"].items():
                 assert torch.equal(a["parameters"][name], value), (resume_kind, resume_dir, name)
+        resumed[resume_dir is not None] = from_memory
+    # Loading into the tier (entry by entry) equals loading into memory, bit for bit.
+    for a, b in zip(resumed[True], resumed[False], strict=True):
+        for name, value in b["parameters"].items():
+            assert torch.equal(a["parameters"][name], value), ("loaded into the tier", name)
 
 
 def _interrupted_body(offload_dir: str, checkpoint_dir: str, where: str) -> None:

@@ -207,12 +207,16 @@ def test_disk_is_recommended_only_when_host_memory_is_too_small_for_everything_e
     assert "chosen because no setting without disk fits" in reason and "s of disk I/O per step" in reason
     assert "colossal_ddp does not fit" in reason
     assert small.recommendation.how.endswith(f"disk_fraction=1.0), offload_dir={PLACEHOLDER_OFFLOAD_DIR!r})")
-    # A checkpoint reads the state on disk back into host memory: here more than the node has, and a note says so.
+    # A checkpoint streams the state on disk through host memory, two records per rank: within the node. A background
+    # save stages all of it: more than the node has, and the note says so.
     chosen = evaluation_of(small, small.recommendation.label)
+    assert 0 < chosen.checkpoint_extra_bytes < chosen.disk_bytes // 20
     assert any(
         note.startswith(f"checkpoints of {chosen.setting.label}: ")
+        and f"about {format_bytes(chosen.host_bytes + chosen.checkpoint_extra_bytes)} per node" in note
+        and "(host/node + 2 records per rank), within the node's" in note
         and f"about {format_bytes(chosen.host_bytes + chosen.disk_bytes)} per node" in note
-        and "would run out of host memory" in note
+        and "a background save would run out of host memory" in note
         for note in small.notes
     )
     # Without a disk the same machines fit nothing, and the planner says a disk would help.
@@ -293,7 +297,14 @@ def test_table_and_json_show_bytes_per_tier(capsys):
     assert entry["disk_io"]["read_bytes_per_step_per_node"] == entry["disk_io"]["written_bytes_per_step_per_node"]
     assert entry["disk_io"]["seconds_per_step_lower_bound"] == pytest.approx(8 * disk_bytes * (1 / 6e9 + 1 / 4e9))
     assert entry["host_bytes_per_node"] == 8 * entry["host_bytes_per_rank"] and entry["disk_fraction"] == 1.0
-    assert entry["disk_io"]["checkpoint_host_bytes_per_node"] == entry["host_bytes_per_node"] + 8 * disk_bytes
+    assert (
+        entry["disk_io"]["background_checkpoint_host_bytes_per_node"] == entry["host_bytes_per_node"] + 8 * disk_bytes
+    )
+    assert (
+        entry["host_bytes_per_node"]
+        < entry["disk_io"]["checkpoint_host_bytes_per_node"]
+        < (entry["host_bytes_per_node"] + 8 * disk_bytes)
+    )
     plain = next(entry for entry in data["settings"] if entry["setting"] == "colossal_zero2")
     assert plain["disk_io"] is None and plain["disk_bytes_per_rank"] == 0
     # Without a disk the table has no disk columns.
