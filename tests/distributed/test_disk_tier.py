@@ -331,13 +331,12 @@ def _entry_by_entry() -> Iterator[dict[str, int]]:
 
 def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str, Any]:
     module = new_module()
-    trainer = quiet_trainer(
-        strategy=_strategy(kind, offload_dir), devices=torch.distributed.get_world_size(), max_steps=3
-    )
+    strategy = "ddp" if kind == "lightning-ddp" else _strategy(kind, offload_dir)
+    trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=3)
     trainer.fit(module)
     with _entry_by_entry() as counts:
         trainer.save_checkpoint(checkpoint)
-    disk_state = trainer.strategy.engine.disk_state
+    disk_state = getattr(trainer.strategy, "engine", None) and trainer.strategy.engine.disk_state
     if disk_state is not None:
         # The checkpoint read the state entry by entry; once written, host memory holds none of it again.
         entries = [e for record in disk_state.records for e in record.entries]
@@ -349,10 +348,15 @@ def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str,
     return {}
 
 
-def _resume_and_train_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str, Any]:
+def _resume_and_train_body(
+    kind: str, offload_dir: str | None, checkpoint: str, whole_file: bool = False
+) -> dict[str, Any]:
     module = new_module()
     strategy = _strategy(kind, offload_dir) if kind != "ddp" else "colossal_ddp"
     trainer = quiet_trainer(strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=6)
+    if whole_file:  # a checkpoint without shards is read whole: so is the state it is copied into
+        trainer.fit(module, ckpt_path=checkpoint)
+        return {"parameters": float_state(module)}
     with _entry_by_entry() as counts:
         trainer.fit(module, ckpt_path=checkpoint)
     if offload_dir is not None and kind != "ddp":
@@ -381,6 +385,18 @@ def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2
     for a, b in zip(resumed[True], resumed[False], strict=True):
         for name, value in b["parameters"].items():
             assert torch.equal(a["parameters"][name], value), ("loaded into the tier", name)
+
+
+def test_plain_lightning_checkpoint_resumes_into_the_tier_like_into_memory(rank_pool_2, tmp_path):
+    # Lightning's own ddp writes one whole file: its optimizer state arrives as whole tensors, which are copied into
+    # the live state (read from the tier first, then written back).
+    plain = str(tmp_path / "plain.ckpt")
+    rank_pool_2.run(_save_body, "lightning-ddp", None, plain)
+    into_tier = rank_pool_2.run(_resume_and_train_body, "gemini-static", str(tmp_path / "tier"), plain, True)
+    into_memory = rank_pool_2.run(_resume_and_train_body, "gemini-static", None, plain, True)
+    for a, b in zip(into_tier, into_memory, strict=True):
+        for name, value in b["parameters"].items():
+            assert torch.equal(a["parameters"][name], value), name
 
 
 def _interrupted_body(offload_dir: str, checkpoint_dir: str, where: str) -> None:
