@@ -250,7 +250,8 @@ def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Names
 def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int) -> int:
     """Host bytes of a disk row's rank at ``layers`` blocks with all optimizer state on disk, as automatic placement
     counts them against H: every fp32 shard and its fp32 gradient shard (8 bytes per element of a rank's share of the
-    chunks). The disk tier's staging buffers are not counted (nor by the engine). 0 for other rows."""
+    chunks), and the disk tier's three staging buffers of one chunk's Adam state (8 bytes per element of a shard,
+    4 KiB-aligned). 0 for other rows."""
     if not strategy.disk:
         return 0
     from lightning_colossal.planning.sources import DemoOverrides, demo_model
@@ -265,9 +266,11 @@ def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespa
             block_size=config["block_size"],
         )
     )
+    from lightning_colossal.disk.optimizer_state import staging_bytes_for
+
     chunks = math.ceil(model.numel / arguments.chunk_numel)
     shard = math.ceil(arguments.chunk_numel / arguments.world_size)
-    return chunks * shard * 8
+    return chunks * shard * 8 + staging_bytes_for([shard * 8] * chunks)
 
 
 def largest_predicted(predict: Callable[[int], int], budget: int, max_layers: int) -> int:
