@@ -15,7 +15,7 @@ from lightning_colossal.config import AutoPlacement
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.manager import ChunkManager
-from lightning_colossal.gemini.placement import BudgetTooSmall, choose_evictions, next_use_distance
+from lightning_colossal.gemini.placement import BudgetTooSmall, NextUse, choose_evictions
 from lightning_colossal.gemini.tracer import MemoryTracer
 
 
@@ -44,21 +44,26 @@ class Evictor:
         self.resident_bytes = resident_bytes
         self.budget = compute_budget(placement, compute_device)
         self.evictions = 0  # chunks moved off the compute device so far
+        self._next_use: NextUse | None = None
 
     def make_room(self, needed: frozenset[int], position: int) -> None:
         """Move chunks off the compute device until the chunks ``needed`` by the op at ``position`` fit the budget."""
         if math.isinf(self.budget):
             return
         placement = self.placement
-        evictable = self._evictable(needed)
         needed_bytes = self._bytes_to_bring(needed)
         resident = self.resident_bytes()
         if self.tracer.finished:
             budget = int(self.budget * placement.steady_compute_cap_ratio)
             non_model = self.tracer.expected_non_model_bytes(position)
-            sequence = self.tracer.sequence
-            next_use = {index: next_use_distance(sequence, position, index) for index in evictable}
+            if budget - non_model - resident >= needed_bytes:
+                return  # fits as it is (choose_evictions would choose nothing): no candidates, no distances
+            evictable = self._evictable(needed)
+            if self._next_use is None:  # the trace is fixed once finished
+                self._next_use = NextUse(self.tracer.sequence)
+            next_use = {index: self._next_use.distance(position, index) for index in evictable}
         else:
+            evictable = self._evictable(needed)
             budget = int(self.budget)
             non_model = int(self.budget * placement.warmup_non_model_data_ratio)
             next_use = {}

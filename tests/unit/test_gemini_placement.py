@@ -6,6 +6,7 @@ Pure logic: no devices, no process group.
 from __future__ import annotations
 
 import math
+import random
 import re
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement
 from lightning_colossal.gemini.placement import (
     BudgetTooSmall,
+    NextUse,
     PlacementPlan,
     auto_plan,
     choose_evictions,
@@ -118,6 +120,19 @@ def test_next_use_distance(position, chunk, expected):
 
 def test_next_use_distance_of_an_empty_sequence_is_never():
     assert next_use_distance([], 0, 0) == math.inf
+
+
+def test_next_use_index_answers_as_the_scan_does():
+    # Random traces, every position (the replay cursor starts at -1) and chunk, unused chunks included.
+    generator = random.Random(0)
+    for _ in range(30):
+        length = generator.randint(1, 40)
+        sequence = [frozenset(generator.sample(range(12), generator.randint(0, 3))) for _ in range(length)]
+        index = NextUse(sequence)
+        for position in range(-1, length):
+            for chunk in range(14):
+                assert index.distance(position, chunk) == next_use_distance(sequence, position, chunk)
+    assert NextUse([]).distance(0, 0) == math.inf
 
 
 # ---------------------------------------------------------------------------------------------------------------
