@@ -40,6 +40,11 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--record-numel", type=int, default=2_101_248)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (after 2 unmeasured)")
     parser.add_argument(
+        "--one-task-per-transfer",
+        action="store_true",
+        help="the tier as before 2026-11-27: each read or write one task on a 2-thread pool (blocks in turn)",
+    )
+    parser.add_argument(
         "--offload-dir", type=Path, default=Path(tempfile.gettempdir()) / "lightning_colossal_disk_stream"
     )
     parser.add_argument("--output", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "out" / "disk_stream.json")
@@ -55,6 +60,10 @@ def rank_main(arguments: argparse.Namespace) -> dict[str, Any]:
     from lightning_colossal.disk.files import TierDirectory, align_up, aligned_buffer
 
     dist.init_process_group("gloo")
+    if arguments.one_task_per_transfer:
+        from lightning_colossal.disk import files
+
+        files.SPLIT_TRANSFERS, files.IO_THREADS = False, 2
     torch.manual_seed(0)
     masters = [torch.zeros(arguments.record_numel, requires_grad=True) for _ in range(arguments.records)]
     for master in masters:

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -56,6 +57,11 @@ _CREATION_GRACE_SECONDS = 60.0
 ALIGNMENT = 4096
 #: One read or write call moves at most this much; ``bandwidth.py`` measures with the same size.
 BLOCK_BYTES = 8 * 2**20
+#: I/O threads per tier file: with blocks submitted on their own, two blocks of a read and two of a write in flight.
+IO_THREADS = 4
+#: Whether ``TierFile.read``/``write`` submit each block on its own (``False``: a transfer is one task, its blocks in
+#: turn on one thread; kept for the benchmarks' comparison).
+SPLIT_TRANSFERS = True
 
 _MARKER_TEXT = (
     "This directory holds the working files of a running lightning_colossal disk tier (optimizer state between two\n"
@@ -203,6 +209,29 @@ def _owner_gone(directory: Path) -> bool:
     return True
 
 
+def _all_of(parts: list[Future[None]]) -> Future[None]:
+    """A future done when every one of ``parts`` is, failing with the first failure among them (after all finished:
+    no block is still being read into or written from the buffer once it reports)."""
+    combined: Future[None] = Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def finished(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        failure = next((part.exception() for part in parts if part.exception() is not None), None)
+        if failure is None:
+            combined.set_result(None)
+        else:
+            combined.set_exception(failure)
+
+    for part in parts:
+        part.add_done_callback(finished)
+    return combined
+
+
 class TierFile:
     """One file of records in a ``TierDirectory``: space is reserved record by record, then read and written
     asynchronously on a small thread pool ([Note: direct I/O]).
@@ -210,10 +239,12 @@ class TierFile:
     Args:
         directory: the tier's directory.
         name: the file's name in it.
-        threads: I/O threads (2: one read and one write in flight while the optimizer steps a third record).
+        threads: I/O threads (``IO_THREADS`` when ``None``). ``read`` and ``write`` submit each ``BLOCK_BYTES`` block of a transfer on its own, so
+            a record's blocks, and the next record's read beside the previous one's write, are in flight together
+            (the queue depth a disk needs to reach its bandwidth; one request at a time per direction does not).
     """
 
-    def __init__(self, directory: TierDirectory, name: str, threads: int = 2) -> None:
+    def __init__(self, directory: TierDirectory, name: str, threads: int | None = None) -> None:
         self.directory = directory
         self.path = directory.path / name
         flags = os.O_RDWR | os.O_CREAT
@@ -230,7 +261,7 @@ class TierFile:
             self.direct_io = False
         self.reserved_bytes = 0
         self.closed = False
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="disk-tier-io")
+        self._pool = ThreadPoolExecutor(max_workers=threads or IO_THREADS, thread_name_prefix="disk-tier-io")
 
     def reserve(self, nbytes: int) -> int:
         """Room for a record of ``nbytes``; returns its offset (records start on ``ALIGNMENT`` boundaries)."""
@@ -250,12 +281,22 @@ class TierFile:
             raise _explained(error, self.path, f"reserving {self.reserved_bytes / 2**30:.2f} GiB") from error
 
     def write(self, offset: int, buffer: Tensor) -> Future[None]:
-        """Write ``buffer`` (a contiguous CPU tensor) at ``offset``, on an I/O thread."""
-        return self._pool.submit(self._transfer, offset, buffer, True)
+        """Write ``buffer`` (a contiguous CPU tensor) at ``offset``, block by block on the I/O threads."""
+        return self._submit(offset, buffer, True)
 
     def read(self, offset: int, buffer: Tensor) -> Future[None]:
-        """Fill ``buffer`` (a contiguous CPU tensor) from ``offset``, on an I/O thread."""
-        return self._pool.submit(self._transfer, offset, buffer, False)
+        """Fill ``buffer`` (a contiguous CPU tensor) from ``offset``, block by block on the I/O threads."""
+        return self._submit(offset, buffer, False)
+
+    def _submit(self, offset: int, buffer: Tensor, writing: bool) -> Future[None]:
+        flat = buffer.reshape(-1).view(torch.uint8)
+        if not SPLIT_TRANSFERS:
+            return self._pool.submit(self._transfer, offset, flat, writing)
+        parts = [
+            self._pool.submit(self._transfer, offset + start, flat[start : start + BLOCK_BYTES], writing)
+            for start in range(0, max(flat.numel(), 1), BLOCK_BYTES)
+        ]
+        return parts[0] if len(parts) == 1 else _all_of(parts)
 
     def write_now(self, offset: int, buffer: Tensor) -> None:
         self._transfer(offset, buffer, True)

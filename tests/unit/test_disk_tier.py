@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,45 @@ def test_unaligned_buffers_and_odd_sizes_round_trip(tmp_path):
     assert torch.equal(back, data) and torch.equal(big_back, big)
     tier.close()
     tier.close()  # idempotent
+    directory.close()
+
+
+def test_transfers_in_several_blocks_run_on_several_threads_and_report_once_all_finished(tmp_path, monkeypatch):
+    directory = TierDirectory(tmp_path, 0)
+    tier = TierFile(directory, "records.bin")
+    offset = tier.reserve(3 * files.BLOCK_BYTES + 4096)
+    tier.allocate()
+    data = aligned_buffer(3 * files.BLOCK_BYTES + 4096)
+    data.random_(0, 255)
+    threads: set[str] = set()
+    transfer = TierFile._transfer
+
+    def watched(self: TierFile, *args: object) -> None:
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)  # long enough for the pool to hand the next block to another thread
+        transfer(self, *args)
+
+    monkeypatch.setattr(TierFile, "_transfer", watched)
+    tier.write(offset, data).result()
+    back = aligned_buffer(data.numel())
+    tier.read(offset, back).result()
+    assert torch.equal(back, data)
+    assert len(threads) > 1, "the blocks of one transfer ran one after another"
+
+    # One block failing fails the transfer, and only once every block has finished.
+    finished: list[int] = []
+
+    def second_block_fails(self: TierFile, where: int, *args: object) -> None:
+        if where == offset + files.BLOCK_BYTES:
+            raise OSError(errno.EIO, "input/output error")
+        time.sleep(0.1)
+        finished.append(where)
+
+    monkeypatch.setattr(TierFile, "_transfer", second_block_fails)
+    with pytest.raises(OSError, match="input/output error"):
+        tier.read(offset, back).result()
+    assert len(finished) == 3
+    tier.close()
     directory.close()
 
 
