@@ -250,3 +250,43 @@ def test_lora_with_gradient_checkpointing_trains_like_single_process(rank_pool_2
             torch.testing.assert_close(
                 weights[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}"
             )
+
+
+# -------------------------------------------------------------- colossal_hybrid's own activation checkpointing
+def hybrid_recomputation_body(family: str, tp_size: int) -> dict[str, torch.Tensor]:
+    """``HybridParallelStrategy(activation_checkpointing=True)`` (our composable hooks, not the model's
+    ``gradient_checkpointing_enable``) on a Hugging Face decoder whose config keeps ``use_cache=True``."""
+    from torch.utils.data import DataLoader
+
+    from lightning_colossal import HybridParallelStrategy
+    from tests.distributed import test_huggingface_zoo as zoo
+    from tests.distributed.hybrid_bodies import full_weights
+
+    module = zoo.ZooModule(family)
+    # tp2 has one data-parallel rank: both ranks read the global batch.
+    ranks = [0, 1] if tp_size == 2 else [torch.distributed.get_rank()]
+    loader = DataLoader(zoo.step_batches(family, ranks), batch_size=None)
+    strategy = HybridParallelStrategy(tp_size=tp_size, activation_checkpointing=True)
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=zoo.STEPS, use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=loader)
+    return full_weights(module, strategy)
+
+
+HYBRID_RECOMPUTATION_ROWS = [
+    pytest.param(family, tp_size, id=f"{family}-tp{tp_size}", marks=() if fast else pytest.mark.slow)
+    for family in ("llama", "mixtral", "phi3", "gpt2", "qwen2_moe", "gemma")
+    for tp_size in (1, 2)
+    for fast in [(family, tp_size) in {("llama", 2), ("mixtral", 1)}]
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(("family", "tp_size"), HYBRID_RECOMPUTATION_ROWS)
+def test_hybrid_activation_checkpointing_of_hugging_face_decoders(rank_pool_2, family, tp_size):
+    pytest.importorskip("transformers")
+    from tests.distributed import test_huggingface_zoo as zoo
+
+    expected = zoo.oracle(family)
+    for weights in rank_pool_2.run(hybrid_recomputation_body, family, tp_size, timeout=240):
+        for key, value in expected.items():
+            torch.testing.assert_close(weights[key], value, **zoo.HYBRID, msg=lambda text, key=key: f"{key}: {text}")
