@@ -28,10 +28,12 @@ from lightning_colossal.config.gemini import (
 from lightning_colossal.config.hybrid import (
     PIPELINE_SCHEDULES,
     AllToAll,
+    ExpertParallel,
     GradientAveraging,
     HybridConfig,
     PipelineConfig,
     PipelineSchedule,
+    Ring,
     SequenceParallelism,
     SequenceParallelMode,
     SplitGather,
@@ -54,6 +56,7 @@ from lightning_colossal.config.run import (
 __all__ = [
     "bucket_numel",
     "AllToAll",
+    "ExpertParallel",
     "AutoPlacement",
     "Communication",
     "DDPConfig",
@@ -74,6 +77,7 @@ __all__ = [
     "PrecisionName",
     "START_METHODS",
     "SUPPORTED_PRECISIONS",
+    "Ring",
     "SequenceParallelMode",
     "SequenceParallelism",
     "SplitGather",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from lightning_colossal.config.data_parallel import ZeroConfig
 
-SequenceParallelMode = Literal["split_gather", "all_to_all"]
+SequenceParallelMode = Literal["split_gather", "all_to_all", "ring"]
 PipelineSchedule = Literal["1f1b", "interleaved", "zbv"]
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "interleaved", "zbv")
 
@@ -122,8 +122,27 @@ class AllToAll:
             raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Ring:
+    """Ring attention (context parallelism): each rank of the ``sp`` axis holds two zigzag chunks of the sequence
+    (balanced causal work) and attention passes key/value blocks around the ring, so no rank ever holds the whole
+    sequence's activations; composes with tensor and pipeline parallelism and ZeRO. The sequence length must divide
+    into ``2 * sp_size`` chunks.
+
+    Args:
+        sp_size: ranks of the ring (at least 2).
+    """
+
+    sp_size: int
+
+    def __post_init__(self) -> None:
+        _check_size("sp_size", self.sp_size)
+        if self.sp_size == 1:
+            raise ValueError("sequence_parallel='ring' needs sp_size > 1: set sp_size (e.g. 2).")
+
+
 #: How the sequence dimension is split, if at all (``None``: not split).
-SequenceParallelism = SplitGather | AllToAll
+SequenceParallelism = SplitGather | AllToAll | Ring
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +162,25 @@ class GradientAveraging:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertParallel:
+    """Expert parallelism of mixture-of-experts layers, carved out of the data-parallel ranks (ColossalAI's
+    ``MoeHybridParallelPlugin``): each group of ``ep_size`` consecutive data-parallel ranks splits every experts
+    module's experts between its ranks, and tokens travel to the rank holding their expert by all-to-all (dropless:
+    every routed token is computed). ``ep_size`` must divide the data-parallel size.
+
+    Args:
+        ep_size: expert-parallel ranks (at least 2); each holds ``num_experts / ep_size`` experts of every layer.
+    """
+
+    ep_size: int
+
+    def __post_init__(self) -> None:
+        _check_size("ep_size", self.ep_size)
+        if self.ep_size == 1:
+            raise ValueError("ExpertParallel(ep_size=1) splits nothing: pass ep_size >= 2, or expert_parallelism=None.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HybridConfig:
     """Settings of the hybrid 3D engine (``lightning_colossal.parallel``): tensor, pipeline, sequence, data parallel.
 
@@ -156,6 +194,8 @@ class HybridConfig:
         sequence_parallelism: ``SplitGather()``, ``AllToAll(sp_size=...)``, or ``None`` for no sequence parallelism.
         data_parallel: the reduction over the data-parallel (and Ulysses) ranks: ``GradientAveraging(...)``
             (``zero_stage=0``) or a ``ZeroConfig`` (ZeRO-1/2; stage 2 not with a pipeline).
+        expert_parallelism: ``ExpertParallel(ep_size=...)`` to split mixture-of-experts layers' experts over
+            data-parallel ranks, or ``None`` (every rank holds every expert).
         activation_checkpointing: recompute each transformer layer's activations in backward.
         init_window_bytes: when the model was built on the meta device, how many bytes of this rank's pieces one
             initialisation pass may materialise at once (more passes, less memory).
@@ -165,6 +205,7 @@ class HybridConfig:
     pipeline: PipelineConfig | None = None
     sequence_parallelism: SequenceParallelism | None = None
     data_parallel: GradientAveraging | ZeroConfig = GradientAveraging()
+    expert_parallelism: ExpertParallel | None = None
     activation_checkpointing: bool = False
     init_window_bytes: int = 2**30
 
@@ -177,6 +218,8 @@ class HybridConfig:
                 "zero_stage=2 with pp_size > 1 would reduce-scatter gradients after every micro-batch of the pipeline"
                 " schedule (ZeRO-2 keeps no full gradients to accumulate into): use zero_stage=1 with pipelines."
             )
+        if self.expert_parallelism is not None:
+            _check_expert_parallel_combination(self)
         if isinstance(self.sequence_parallelism, SplitGather) and self.tp_size == 1:
             raise ValueError(
                 "sequence_parallel='split_gather' shards activations over the tensor-parallel ranks, but tp_size=1:"
@@ -201,6 +244,7 @@ class HybridConfig:
         activation_checkpointing: bool = False,
         init_window_bytes: int = 2**30,
         zero: ZeroConfig | None = None,
+        ep_size: int = 1,
         **zero_options: Any,
     ) -> HybridConfig:
         """The config that one flat list of keyword arguments describes (how the strategy's constructor, and so
@@ -209,17 +253,20 @@ class HybridConfig:
         Args:
             pp_size: pipeline stages the layers are split into; 1 for no pipeline, where the settings only a
                 pipeline uses must keep their defaults and the micro-batch settings are ignored.
-            sp_size: Ulysses sequence-parallel ranks (``sequence_parallel="all_to_all"``).
+            sp_size: sequence-parallel ranks: Ulysses' (``sequence_parallel="all_to_all"``) or the ring's
+                (``sequence_parallel="ring"``).
             zero_stage: 0 all-reduces gradients over the data-parallel axis; 1 shards optimizer state; 2 also shards
                 gradients (not with ``pp_size > 1``).
             sequence_parallel: ``"split_gather"`` (Megatron: norms and dropout on sequence shards inside the
-                tensor-parallel group) or ``"all_to_all"`` (Ulysses attention over the ``sp`` axis); ``None`` for
-                none, which becomes ``"all_to_all"`` when ``sp_size > 1``.
+                tensor-parallel group), ``"all_to_all"`` (Ulysses attention over the ``sp`` axis) or ``"ring"`` (ring
+                attention over the ``sp`` axis, zigzag sequence shards); ``None`` for none, which becomes
+                ``"all_to_all"`` when ``sp_size > 1``.
             zero: the whole ZeRO settings of the data-parallel axis, every ``ZeroConfig`` field (e.g.
                 ``ZeroConfig(stage=2, overlap_communication=False)``), instead of ``zero_stage``, ``bucket_size_mb``
                 and the ZeRO settings passed one by one, which then keep their defaults. A ZeRO option added to
                 ``ZeroConfig`` reaches the hybrid engine this way without a new argument here.
             zero_options: further ``ZeroConfig`` settings, for ``zero_stage`` 1 or 2 only.
+            ep_size: expert-parallel ranks (``ExpertParallel``), carved out of the data-parallel ranks; 1 for none.
         """
         for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("sp_size", sp_size)):
             _check_size(name, value)
@@ -249,6 +296,7 @@ class HybridConfig:
             else _whole_zero(zero, zero_stage, bucket_size_mb, zero_options),
             activation_checkpointing=activation_checkpointing,
             init_window_bytes=init_window_bytes,
+            expert_parallelism=_expert_parallelism(ep_size),
         )
 
     @property
@@ -258,8 +306,13 @@ class HybridConfig:
 
     @property
     def sp_size(self) -> int:
-        """Ulysses sequence-parallel ranks (1 without ``AllToAll``)."""
-        return self.sequence_parallelism.sp_size if isinstance(self.sequence_parallelism, AllToAll) else 1
+        """Sequence-parallel ranks of the ``sp`` axis, Ulysses' or the ring's (1 without ``AllToAll`` or ``Ring``)."""
+        return self.sequence_parallelism.sp_size if isinstance(self.sequence_parallelism, (AllToAll, Ring)) else 1
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks (1 without ``ExpertParallel``)."""
+        return 1 if self.expert_parallelism is None else self.expert_parallelism.ep_size
 
     @property
     def zero_stage(self) -> int:
@@ -279,8 +332,8 @@ class HybridConfig:
 
 def _sequence_parallelism(sp_size: int, mode: SequenceParallelMode | None) -> SequenceParallelism | None:
     """The flat ``sp_size`` / ``sequence_parallel`` pair as one setting (``sp_size > 1`` alone means Ulysses)."""
-    if mode not in (None, "split_gather", "all_to_all"):
-        raise ValueError(f"sequence_parallel={mode!r}: pass None, 'split_gather' or 'all_to_all'.")
+    if mode not in (None, "split_gather", "all_to_all", "ring"):
+        raise ValueError(f"sequence_parallel={mode!r}: pass None, 'split_gather', 'all_to_all' or 'ring'.")
     if mode == "split_gather":
         if sp_size > 1:
             raise ValueError(
@@ -288,9 +341,31 @@ def _sequence_parallelism(sp_size: int, mode: SequenceParallelMode | None) -> Se
                 " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
             )
         return SplitGather()
+    if mode == "ring":
+        return Ring(sp_size=sp_size)
     if mode == "all_to_all" or sp_size > 1:
         return AllToAll(sp_size=sp_size)
     return None
+
+
+def _expert_parallelism(ep_size: int) -> ExpertParallel | None:
+    """The flat ``ep_size`` as one setting (1: none)."""
+    _check_size("ep_size", ep_size)
+    return ExpertParallel(ep_size=ep_size) if ep_size > 1 else None
+
+
+def _check_expert_parallel_combination(config: HybridConfig) -> None:
+    """Expert parallelism is built and tested over data-parallel ranks only so far (with or without ZeRO)."""
+    others = [
+        f"{name}={value}"
+        for name, value in (("tp_size", config.tp_size), ("pp_size", config.pp_size), ("sp_size", config.sp_size))
+        if value > 1
+    ]
+    if others:
+        raise ValueError(
+            f"ep_size={config.ep_size} with {', '.join(others)} is not supported yet: expert parallelism runs over"
+            " data-parallel ranks only. Use tp_size=pp_size=sp_size=1 with ep_size, or ep_size=1."
+        )
 
 
 def _whole_zero(zero: ZeroConfig, zero_stage: int, bucket_size_mb: float, zero_options: dict[str, Any]) -> ZeroConfig:

@@ -99,6 +99,25 @@ class GPTConfig:
         return self.embed_dim // self.num_heads
 
 
+class ScaledDotProductAttention(nn.Module):
+    """Causal attention of ``[batch, heads, time, head_dim]`` queries, keys and values, with dropout on the weights
+    while training. A module of its own (without parameters, so state dicts do not see it) because a parallel policy
+    replaces the attention core whole, as ring attention does (``demo/parallel_policy.py``); a hook could not
+    replace a function call inside ``forward``."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+
+    def extra_repr(self) -> str:
+        return f"dropout={self.dropout}, causal=True"
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with one fused, head-major qkv projection (see the module Note)."""
 
@@ -107,6 +126,7 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.dropout = config.dropout
         self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim, bias=config.bias)
+        self.core = ScaledDotProductAttention(config.dropout)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim, bias=config.bias)
         self.residual_dropout = nn.Dropout(config.dropout)
 
@@ -119,9 +139,7 @@ class CausalSelfAttention(nn.Module):
         # -1 heads: under column-wise tensor parallelism this rank holds only its share of the heads.
         qkv = qkv.view(batch_size, sequence_length, -1, 3, self.head_dim)
         query, key, value = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each [batch, heads, time, head_dim]
-        attended = F.scaled_dot_product_attention(
-            query, key, value, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        attended = self.core(query, key, value)
         attended = attended.transpose(1, 2).reshape(batch_size, sequence_length, -1)
         return self.residual_dropout(self.proj(attended))
 

@@ -9,7 +9,8 @@ Tensor parallelism follows Megatron: ``qkv`` and ``mlp.fc`` column-parallel, ``a
 row-parallel (the fused ``qkv`` is head-major, see the model's [Note: head-major fused qkv], so a contiguous column
 shard holds whole heads), token embedding and LM head vocabulary-parallel and still tied. Split-gather sequence
 parallelism keeps the residual stream as sequence shards over the tensor-parallel ranks; Ulysses exchanges heads
-for sequence inside attention.
+for sequence inside attention; ring attention replaces each attention's core module (``attn.core``) with
+``RingAttention``, which passes key/value blocks around the sequence-parallel ranks.
 
 Sequence parallelism is attached as hooks, so the GPT's own forward runs (``lightning_colossal/parallel/attached.py``
 [Note: techniques attach as hooks]): the token embedding's pre-hook checks that the sequence splits (split-gather),
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from lightning_colossal.demo.model import GPT
 from lightning_colossal.distributed import differentiable
+from lightning_colossal.distributed.ring_attention import ring_attention
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
     ParallelPlan,
@@ -58,12 +60,14 @@ class GPTPolicy(ModelPolicy):
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         assert isinstance(model, GPT)
         config = model.config
-        parallel_heads = context.tp_size * context.sp_size
+        # Ulysses splits heads over the sequence-parallel ranks too; the ring keeps every head on every rank.
+        head_splitters = "tp_size" if context.ring else "tp_size * sp_size"
+        parallel_heads = context.tp_size * (1 if context.ring else context.sp_size)
         check_divisible(
             "GPTConfig.num_heads",
             config.num_heads,
             parallel_heads,
-            f"attention heads are split over tp_size * sp_size = {parallel_heads} ranks; choose num_heads divisible"
+            f"attention heads are split over {head_splitters} = {parallel_heads} ranks; choose num_heads divisible"
             " by it or smaller tp_size/sp_size.",
         )
         check_divisible(
@@ -72,6 +76,12 @@ class GPTPolicy(ModelPolicy):
             context.tp_size,
             f"the vocabulary is split over tp_size = {context.tp_size} ranks; pad vocab_size to a multiple of it.",
         )
+        if context.ring and config.dropout > 0:
+            raise ValueError(
+                f"sequence_parallel='ring' computes attention without dropout on its weights, but GPTConfig.dropout="
+                f"{config.dropout}: build the GPT with dropout=0.0, or use sequence_parallel='all_to_all' (Ulysses),"
+                " which keeps it."
+            )
         plan = ParallelPlan()
         if context.tp_size > 1:
             self._split_layers(model, context, plan)
@@ -83,7 +93,10 @@ class GPTPolicy(ModelPolicy):
         if context.split_gather or context.sp_size > 1:
             positions = functools.partial(_rank_positions, context)
             attached.before_forward(model.position_embedding, "sequence parallelism: this rank's positions", positions)
-        if context.sp_size > 1:
+        if context.ring:
+            for block in model.blocks:
+                block.attn.core = RingAttention(context)
+        elif context.sp_size > 1:
             for block in model.blocks:
                 head_dim = block.attn.head_dim
                 to_heads = functools.partial(_sequence_shards_to_head_shards, context, head_dim)
@@ -131,6 +144,25 @@ class GPTPolicy(ModelPolicy):
     ) -> nn.Module:
         assert isinstance(model, GPT)
         return GPTStage(model, layer_indices, first, last, context)
+
+
+class RingAttention(nn.Module):
+    """The attention core under ``sequence_parallel="ring"``: causal ring attention over the sequence-parallel group
+    (``distributed/ring_attention.py``) of this rank's zigzag share of the sequence; replaces the model's
+    ``ScaledDotProductAttention`` (no parameters, so state dicts do not change)."""
+
+    def __init__(self, context: ParallelContext) -> None:
+        super().__init__()
+        self.context = context
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        positions = positions_for(query.shape[2], self.context).to(query.device)
+        return ring_attention(
+            query, key, value, self.context.sp_group, query_positions=positions, key_positions=positions, causal=True
+        )
+
+    def extra_repr(self) -> str:
+        return f"sp_size={self.context.sp_size}, layout={self.context.sequence_layout}, causal=True"
 
 
 class GPTStage(nn.Module):
@@ -197,13 +229,13 @@ def _rank_positions(
 ) -> tuple[tuple[Tensor, ...], dict[str, Any]]:
     """Before the position embedding: the positions of this rank's tokens instead of ``0 .. length - 1`` (the
     token embedding's output is a sequence shard under split-gather; under Ulysses the batch arrives split)."""
-    positions = positions_for(args[0].shape[-1], context)
-    if positions.stop > module.num_embeddings:
+    positions = positions_for(args[0].shape[-1], context)  # on the host: the bound check reads no device tensor back
+    if int(positions.max()) >= module.num_embeddings:
         raise ValueError(
             f"Sequence length exceeds block_size={module.num_embeddings}; crop the input or build the model with a"
             " larger block_size."
         )
-    return (torch.arange(positions.start, positions.stop, device=args[0].device), *args[1:]), kwargs
+    return (positions.to(args[0].device), *args[1:]), kwargs
 
 
 def _sequence_shards_to_head_shards(
@@ -225,4 +257,4 @@ def _head_shards_to_sequence_shards(
     return (differentiable.all_to_all(per_head, 1, 2, context.sp_group).flatten(2), *args[1:]), kwargs
 
 
-__all__ = ["GPTPolicy", "GPTStage"]
+__all__ = ["GPTPolicy", "GPTStage", "RingAttention"]

@@ -475,6 +475,22 @@ def all_to_all_along(
     return torch.cat(received, dim=gather_dim)
 
 
+def all_to_all_rows(
+    tensor: torch.Tensor, output_rows: list[int], input_rows: list[int], group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Send ``input_rows[r]`` consecutive rows of ``tensor`` (dim 0) to rank r and receive ``output_rows[r]`` rows from
+    each rank r, in rank order (expert parallelism's token dispatch; counts differ per rank and may be zero). Every
+    rank of ``group`` must call it, with or without rows to send."""
+    if world_size(group) == 1:
+        return tensor
+    send = tensor.contiguous()
+    receive = send.new_empty((sum(output_rows), *send.shape[1:]))
+    require_group_device(send, group, "an all-to-all")
+    with Collective("all_to_all_single", group, send):
+        dist.all_to_all_single(receive, send, output_rows, input_rows, group=group)
+    return receive
+
+
 def sum_within_group(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """All-reduce (SUM) in place within ``group``, skipping the call for a group of one; returns ``tensor``."""
     if group is None or world_size(group) == 1:

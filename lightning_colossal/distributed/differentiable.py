@@ -10,6 +10,7 @@ Each function is the forward of a pair whose backward is its adjoint (Megatron's
 | reduce-scatter along a dim              | all-gather along that dim        | row linear output into sequence shards |
 | keep this rank's slice along a dim      | all-gather along that dim        | splitting a replicated activation     |
 | all-to-all (scatter one dim, gather one)| the reverse all-to-all           | Ulysses attention                      |
+| all-to-all of rows, counts per rank     | the reverse all-to-all (counts swapped) | expert-parallel token dispatch |
 
 A group of one makes every function the identity, so single-rank runs take the same code path.
 """
@@ -60,7 +61,10 @@ class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return collectives.reduce_scatter_along(tensor, dim, group)
+        output = collectives.reduce_scatter_along(tensor, dim, group)
+        # A view of the exchange's buffer: autograd forbids modifying a custom Function's view output in place
+        # (Falcon's ``mlp_output += attention_output`` on a row-parallel layer's output), so hand out a tensor.
+        return output.clone() if output._base is not None else output
 
     @staticmethod
     def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -107,6 +111,20 @@ class _AllToAll(torch.autograd.Function):
         return collectives.all_to_all_along(gradient, ctx.gather_dim, ctx.scatter_dim, ctx.group), None, None, None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, output_rows: list[int], input_rows: list[int], group: ProcessGroup
+    ) -> torch.Tensor:
+        ctx.output_rows, ctx.input_rows, ctx.group = output_rows, input_rows, group
+        return collectives.all_to_all_rows(tensor, output_rows, input_rows, group)
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        # The rows each rank received go back to where they came from.
+        return collectives.all_to_all_rows(gradient, ctx.input_rows, ctx.output_rows, ctx.group), None, None, None
+
+
 def _alone(group: ProcessGroup | None) -> bool:
     return group is None or collectives.world_size(group) == 1
 
@@ -144,3 +162,11 @@ def gather_for_replicated(tensor: torch.Tensor, dim: int, group: ProcessGroup | 
 def all_to_all(tensor: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Scatter ``scatter_dim`` and gather ``gather_dim`` over the group; backward does the reverse."""
     return tensor if _alone(group) else _AllToAll.apply(tensor, scatter_dim, gather_dim, group)
+
+
+def all_to_all_rows(
+    tensor: torch.Tensor, output_rows: list[int], input_rows: list[int], group: ProcessGroup | None
+) -> torch.Tensor:
+    """Send ``input_rows[r]`` rows to rank r and receive ``output_rows[r]`` from it forward; backward sends each
+    received row's gradient back to its sender. Every rank must call it, also with no rows."""
+    return tensor if _alone(group) else _AllToAllRows.apply(tensor, output_rows, input_rows, group)

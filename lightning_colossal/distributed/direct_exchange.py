@@ -62,7 +62,7 @@ class DirectExchange:
         return not self._works and self._finish is None
 
 
-def _timeout(group: ProcessGroup | None) -> timedelta | None:
+def group_timeout(group: ProcessGroup | None) -> timedelta | None:
     """The group's collective timeout as it is now (``None`` where torch does not say: gloo's own default then)."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
@@ -86,7 +86,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     for send_to, receive_from in _peers(rank, size):
         works.append(dist.isend(source, group_dst=send_to, group=group))
         works.append(dist.irecv(slots[receive_from], group_src=receive_from, group=group))
-    return DirectExchange(works, _timeout(group))
+    return DirectExchange(works, group_timeout(group))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None) -> DirectExchange:
@@ -107,4 +107,4 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         for contribution in contributions[1:]:
             output.add_(contribution)
 
-    return DirectExchange(works, _timeout(group), finish)
+    return DirectExchange(works, group_timeout(group), finish)

@@ -47,6 +47,11 @@ class AttachedTechniques:
         handle = module.register_forward_hook(hook)
         self._attached.append((module, technique, handle.remove))
 
+    def changed(self, module: nn.Module, technique: str, undo: Callable[[], None]) -> None:
+        """A change to ``module`` that is no hook (a setting swapped, e.g. ``config._attn_implementation`` for
+        sequence parallelism of Hugging Face models), listed with the hooks; ``undo()`` restores it on removal."""
+        self._attached.append((module, technique, undo))
+
     def recompute_in_backward(self, module: nn.Module) -> None:
         """Activation checkpointing of ``module`` with torch's composable ``checkpoint``: its activations are
         recomputed in backward instead of kept, and its class and parameter names are unchanged (torch's

@@ -1,5 +1,5 @@
 """What the hybrid engine reads from a training loop's batch: a pipeline's inputs, targets and micro-batch count, and
-each Ulysses rank's slice of the sequence."""
+each sequence-parallel rank's share of the sequence."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from lightning_colossal.config import PipelineConfig
+from lightning_colossal.parallel.sequence_layout import shard_sequence
 
 
 class PipelineBatch(NamedTuple):
@@ -71,20 +72,16 @@ def pipeline_batch(batch: Any, config: PipelineConfig, targets_required: bool = 
     return PipelineBatch(inputs, targets, count)
 
 
-def split_sequence(batch: Any, sp_size: int, sp_rank: int) -> Any:
-    """Ulysses: this sequence-parallel rank's slice of every ``[batch, sequence, ...]`` tensor in ``batch``."""
+def split_sequence(batch: Any, sp_size: int, sp_rank: int, layout: str = "contiguous") -> Any:
+    """This sequence-parallel rank's tokens of every ``[batch, sequence, ...]`` tensor in ``batch``: a contiguous slice
+    (Ulysses) or the two zigzag chunks (ring attention), [Note: sequence layouts] in ``sequence_layout.py``."""
     if sp_size == 1:
         return batch
 
     def split(tensor: Tensor) -> Tensor:
         if tensor.dim() < 2:
             return tensor
-        if tensor.shape[1] % sp_size != 0:
-            raise ValueError(
-                f"Sequence parallelism splits dim 1 of every batch tensor over sp_size={sp_size} ranks, but a batch"
-                f" tensor has shape {tuple(tensor.shape)}: use a sequence length divisible by {sp_size}."
-            )
-        return tensor.chunk(sp_size, dim=1)[sp_rank]
+        return shard_sequence(tensor, 1, sp_size, sp_rank, layout)
 
     return map_tensors(batch, split)
 

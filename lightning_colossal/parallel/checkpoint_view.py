@@ -25,6 +25,7 @@ from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.rows import ShardSpec
 from lightning_colossal.engine_parts.sharded_state import ShardedMaster
+from lightning_colossal.parallel.experts import ExpertShards
 from lightning_colossal.parallel.groups import HybridGroups
 from lightning_colossal.parallel.names import ParameterNames, key_of
 from lightning_colossal.parallel.policy import ParallelPlan
@@ -47,18 +48,29 @@ class CheckpointView:
         context: the tensor-parallel groups.
         groups: every group of this rank (pipeline and data-parallel ones for merging and describing).
         names: the whole model's names and shapes (see [Note: names survive parallelisation] in ``names.py``).
+        experts: expert parallelism's slices (``experts.py``), seen as ``Shard(0)`` pieces of the whole parameters
+            over the ep group, or ``None``.
     """
 
     def __init__(
-        self, root: nn.Module, plan: ParallelPlan, context: ParallelContext, groups: HybridGroups, names: ParameterNames
+        self,
+        root: nn.Module,
+        plan: ParallelPlan,
+        context: ParallelContext,
+        groups: HybridGroups,
+        names: ParameterNames,
+        experts: ExpertShards | None = None,
     ) -> None:
         self.root, self.plan, self.context, self.groups, self.names = root, plan, context, groups, names
+        self.experts = experts
         # Whole tensors handed out for fused parameters (see [Note: fused shards are saved whole]).
         self._gathered: list[tuple[weakref.ref[Tensor], Tensor, TensorParallelPlacement, ShardSpec | None]] = []
 
     # ---------------------------------------------------------------------------------------------- weights
     def whole_tensor_of(self, local: Tensor, key: int) -> Tensor:
         """``local`` (shaped like this rank's shard of parameter ``key``) as a piece of the whole tensor."""
+        if self.experts is not None and self.experts.is_expert(key):
+            return self.experts.describe(local, key)
         placement = self.plan.placements.get(key)
         if placement is None or self.context.tp_size == 1:
             return local
@@ -116,6 +128,8 @@ class CheckpointView:
                         whole = value.full_tensor()
                     elif placement is not None:
                         whole = full_from_shards(value, placement, self.context.tp_group)
+                    elif self.experts is not None and self.experts.is_expert(key):
+                        whole = self.experts.gather(value, key)  # ep peers hold the same names in the same order
                     else:
                         whole = value
                     whole_by_key[key] = whole.detach().to("cpu", copy=True)
@@ -130,6 +144,8 @@ class CheckpointView:
     def describe_master(self, entry: ShardedMaster, value: Tensor) -> Tensor:
         """A ZeRO shard (rows over dp x sp) of a tensor-parallel shard as one DTensor of the whole parameter."""
         parameter = self.root.get_parameter(entry.name)
+        if self.experts is not None and self.experts.is_expert(id(parameter)):
+            return self.experts.describe(value, id(parameter))  # ZeRO keeps expert slices whole (experts.py)
         placement = self.plan.placements.get(id(parameter))
         if placement is None or self.context.tp_size == 1:
             return sharded_state.as_global(value, entry.spec, self.groups.reduce_mesh)
@@ -161,6 +177,8 @@ class CheckpointView:
                 placement = self.plan.placements.get(key_of(self.root, name))
                 if placement is not None:
                     source = shard_of(source, placement, self.context.tp_rank, self.context.tp_size)
+                if self.experts is not None:
+                    source = self.experts.local_piece(source, key_of(self.root, name))
                 if isinstance(target, DTensor):
                     target.to_local().copy_(piece_like(source, target).to_local())
                 else:
@@ -232,6 +250,11 @@ class CheckpointView:
                 for key, value in list(entries.items()):
                     if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == parameter.shape:
                         entries[key] = piece_like(value, parameter)
+                continue
+            if self.experts is not None and self.experts.is_expert(id(parameter)):
+                for key, value in list(entries.items()):
+                    if isinstance(value, Tensor) and not isinstance(value, DTensor):
+                        entries[key] = self.experts.local_piece(value, id(parameter)).clone()
                 continue
             placement = self.plan.placements.get(id(parameter))
             if placement is None:

@@ -38,6 +38,7 @@ class GradientAverager:
         group: the data-parallel (dp x sp) ranks, or ``None`` for one rank.
         config: the averaging settings.
         checkpoint_view: how the optimizer's state is described in checkpoints.
+        excluded: ids of parameters reduced elsewhere (expert slices, over their own group: ``experts.py``).
     """
 
     def __init__(
@@ -46,11 +47,14 @@ class GradientAverager:
         group: ProcessGroup | None,
         config: GradientAveraging,
         checkpoint_view: CheckpointView,
+        excluded: frozenset[int] = frozenset(),
     ) -> None:
         self.optimizer = optimizer
-        self.parameters: list[nn.Parameter] = [
+        #: Every parameter the optimizer steps; ``parameters`` are those averaged here.
+        self.all_parameters: list[nn.Parameter] = [
             parameter for group_of_parameters in optimizer.param_groups for parameter in group_of_parameters["params"]
         ]
+        self.parameters = [parameter for parameter in self.all_parameters if id(parameter) not in excluded]
         self.group = group
         self.bucket_numel = bucket_numel(config.bucket_size_mb)
         self.checkpoint_view = checkpoint_view

@@ -30,13 +30,14 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import HybridConfig, SplitGather, ZeroConfig
+from lightning_colossal.config import HybridConfig, Ring, SplitGather, ZeroConfig
 from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.parallel.checkpoint_view import CheckpointView
 from lightning_colossal.parallel.data_parallel import GradientAverager
-from lightning_colossal.parallel.groups import HybridGroups
+from lightning_colossal.parallel.experts import ExpertGradientAverager, ExpertShards, parallelize_experts
+from lightning_colossal.parallel.groups import HybridGroups, build_expert_groups
 from lightning_colossal.parallel.initial_weights import initialise_from_template, replicate_from_rank_zero
 from lightning_colossal.parallel.names import ParameterNames
 from lightning_colossal.parallel.pipeline import PipelineStep
@@ -76,6 +77,7 @@ class HybridEngine:
             tp_mesh=groups.tp_mesh,
             sp_group=groups.sp_group,
             split_gather=isinstance(config.sequence_parallelism, SplitGather),
+            sequence_layout="zigzag" if isinstance(config.sequence_parallelism, Ring) else "contiguous",
         )
         #: The pipeline part (``pp_size > 1`` only).
         self.pipeline: PipelineStep | None = None
@@ -83,8 +85,11 @@ class HybridEngine:
         #: holds the optimizer, whose state it saves and loads by name.
         self.data_parallel: GradientAverager | ZeroEngine | None = None
         self._blocked = False
+        #: Expert parallelism's slices (``ep_size > 1`` only) and the reduction of their gradients (``attach_optimizer``).
+        self.experts: ExpertShards | None = None
+        self.expert_gradients: ExpertGradientAverager | None = None
         self._parallelize(timeout)
-        self.checkpoint_view = CheckpointView(root, self.plan, self.context, groups, self.names)
+        self.checkpoint_view = CheckpointView(root, self.plan, self.context, groups, self.names, experts=self.experts)
 
     # ---------------------------------------------------------------------------------------------- set-up
     def _parallelize(self, timeout: timedelta) -> None:
@@ -98,6 +103,17 @@ class HybridEngine:
         self.names = ParameterNames.of_whole_model(root)
         # 1-2. Tensor and sequence parallelism: the policy splits layers in place and installs sequence parallelism.
         self.plan: ParallelPlan = self.policy.parallelize(model, self.context)
+        # 2b. Expert parallelism: this rank keeps its experts and exchanges routed tokens with its ep peers
+        #     (experts.py, [Note: expert-parallel groups] in groups.py); new parameters, so before the rekeying below.
+        if config.expert_parallelism is not None:
+            if template is not None:
+                raise ValueError(
+                    f"ep_size={config.ep_size} with a model built on the meta device is not supported yet: build the"
+                    " model eagerly (each rank keeps only its experts once split), or use ep_size=1."
+                )
+            self.groups.experts = build_expert_groups(self.groups.mesh, config.ep_size, timeout)
+            self.experts = parallelize_experts(model, self.groups.experts)
+            self.plan.attached.extend(self.experts.attached)
         #: DTensor parameters the user's own tensor parallelism shards (each rank holds a different piece).
         self.user_sharded: set[int] = {
             id(parameter)
@@ -106,8 +122,15 @@ class HybridEngine:
         }
         self.names.rekey_after_replacement(root)
         # [Note: replicated parameters in tensor-parallel regions] (policy.py): a whole parameter left inside a
-        # tensor-parallel region must be declared by the policy, or the model is refused here, before training.
+        # tensor-parallel region must be declared by the policy, or the model is refused before its first optimizer
+        # step; which parameters run inside one, the first forward shows (regions.py [Note: regions by the order
+        # modules run]), and ``after_backward`` settles it.
         check_tensor_parallel_regions(model, self.plan)
+        if self.plan.region_trace is not None and config.pipeline is not None:
+            self.plan.region_trace.refuse_without_trace(
+                "Pipeline stages run the layers without the model's forward, so the order modules run is not"
+                " watched, and nesting alone puts them in the region."
+            )
         # One hook per parameter, however often a policy listed it: a second hook would sum the sum again.
         partial = {id(parameter): parameter for parameter in self.plan.partial_gradients}
         self._gradient_hooks = [
@@ -143,7 +166,11 @@ class HybridEngine:
         self.detach_optimizer()
         settings, groups = self.config.data_parallel, self.groups
         if not isinstance(settings, ZeroConfig):
-            self.data_parallel = GradientAverager(optimizer, groups.reduce_group, settings, self.checkpoint_view)
+            self.data_parallel = GradientAverager(
+                optimizer, groups.reduce_group, settings, self.checkpoint_view, excluded=self._expert_keys()
+            )
+            if self.experts is not None:
+                self.expert_gradients = ExpertGradientAverager(self.experts, self.data_parallel.all_parameters)
             return
         if any(isinstance(parameter, DTensor) for parameter in self.root.parameters()):
             raise ValueError(
@@ -151,6 +178,11 @@ class HybridEngine:
                 " applied) is not supported: ZeRO shards plain tensors. Use zero_stage=0, or let the strategy split the"
                 " model (a built-in policy or policy={'pattern': 'colwise' | 'rowwise'}) so ZeRO can shard it."
             )
+        if self.experts is not None:  # before ZeRO swaps the optimizer's other parameters for their masters
+            self.expert_gradients = ExpertGradientAverager(
+                self.experts, [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            )
+        # Expert slices differ between the dp ranks: ZeRO leaves them whole, the expert averager reduces them.
         self.data_parallel = ZeroEngine(
             self.root,
             optimizer,
@@ -158,6 +190,7 @@ class HybridEngine:
             groups.reduce_mesh,
             self.device,
             describe=self.checkpoint_view.describe_master,
+            kept_whole=self._expert_keys(),
         )
 
     def detach_optimizer(self) -> None:
@@ -165,6 +198,7 @@ class HybridEngine:
         parameters, they would reduce every later gradient a second time, into the old engine's buffers."""
         self.stop_reducing()
         self.data_parallel = None
+        self.expert_gradients = None
 
     def stop_reducing(self) -> None:
         """End of a run: remove the ZeRO gradient hooks, keeping its shards, which a checkpoint saved after the run
@@ -177,6 +211,8 @@ class HybridEngine:
         for handle in self._gradient_hooks:
             handle.remove()
         self._gradient_hooks = []
+        if self.plan.region_trace is not None:
+            self.plan.region_trace.remove()
         self.stop_reducing()
 
     # ---------------------------------------------------------------------------------------------- gradients
@@ -201,11 +237,17 @@ class HybridEngine:
 
     def after_backward(self) -> None:
         """After the last backward of a step: tie stages, then reduce over data parallelism (ZeRO-1/2 reduced
-        during backward already, except after a pipeline schedule, which ran backward inside ``no_sync``)."""
+        during backward already, except after a pipeline schedule, which ran backward inside ``no_sync``).
+        The first one also settles the region check (before any optimizer step)."""
+        trace, self.plan.region_trace = self.plan.region_trace, None
+        if trace is not None:
+            trace.settle()
         if self._blocked:
             return
         if self.pipeline is not None:
             self.pipeline.sum_tied_gradients()
+        if self.expert_gradients is not None:
+            self.expert_gradients.average()
         if self.data_parallel is not None:
             self.data_parallel.after_backward(reduction_deferred=self.pipeline is not None)
 
@@ -267,7 +309,13 @@ class HybridEngine:
             if piece.gradient.numel()
             and self._counted_here(id(piece.parameter), replicated_over_reduce=piece.replicated)
         ]
-        return [piece.gradient for piece in reduced], counted
+        if self.expert_gradients is None:
+            return [piece.gradient for piece in reduced], counted
+        # Expert slices differ between ep ranks and repeat over the expert-data group: its first rank counts them.
+        experts = self.expert_gradients.gradients()
+        if self.expert_gradients.groups.expert_data_rank == 0:
+            counted += [gradient for gradient in experts if gradient.numel()]
+        return [piece.gradient for piece in reduced] + experts, counted
 
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
         """Clip by the L2 norm over every rank's gradients (tensor, pipeline and data parallel); returns the norm."""
@@ -313,6 +361,10 @@ class HybridEngine:
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Load a state ``optimizer_state_by_name`` saved (under any layout) into the attached optimizer."""
         self._data_parallel_part().load_optimizer_state_by_name(self.checkpoint_view.local_optimizer_state(loaded))
+
+    def _expert_keys(self) -> frozenset[int]:
+        """The expert parameters (``ep_size > 1``), which the expert-data group reduces instead of dp x sp."""
+        return frozenset() if self.experts is None else frozenset(self.experts.slices)
 
     def _data_parallel_part(self) -> GradientAverager | ZeroEngine:
         assert self.data_parallel is not None, (

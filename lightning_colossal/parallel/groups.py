@@ -1,9 +1,9 @@
 """The process groups of hybrid parallelism, all cut from the one ``DeviceMesh`` (axes pp, dp, sp, tp).
 
 [Note: the gradient-reduction axis]
-Data-parallel ranks see different samples; Ulysses ranks see different sequence slices of the same samples. Both
-hold the same parameters and compute a mean loss over their own tokens, so gradients are averaged over dp x sp
-(as ColossalAI does) and ZeRO shards optimizer state over those dp * sp ranks. A second mesh, laid out as
+Data-parallel ranks see different samples; sequence-parallel ranks (Ulysses or ring) see different tokens of the
+same samples. Both hold the same parameters and compute a mean loss over their own tokens, so gradients are averaged
+over dp x sp (as ColossalAI does) and ZeRO shards optimizer state over those dp * sp ranks. A second mesh, laid out as
 (pp, tp, dp x sp), provides that flattened axis and the 2-D (tp, dp x sp) sub-mesh that describes a ZeRO shard of
 a tensor-parallel shard as one DTensor in checkpoints.
 """
@@ -36,6 +36,58 @@ class HybridGroups:
     tp_rank: int
     pp_rank: int
     reduce_rank: int
+    #: Expert parallelism's groups (``ep_size > 1`` only; [Note: expert-parallel groups]).
+    experts: ExpertGroups | None = None
+
+
+@dataclass
+class ExpertGroups:
+    """Expert parallelism's groups of one rank.
+
+    [Note: expert-parallel groups]
+    As in ColossalAI's MoE plugin, expert-parallel ranks are carved out of the data-parallel axis: consecutive blocks
+    of ``ep_size`` dp ranks form an ep group, whose ranks split each experts module's experts (and exchange tokens by
+    all-to-all); the ranks at the same place in every block hold the same experts and form the expert-data group over
+    which those experts' gradients are reduced. Everything else is still reduced over the whole dp x sp group.
+    """
+
+    ep_size: int
+    ep_rank: int
+    ep_group: ProcessGroup | None
+    ep_mesh: DeviceMesh  # 1-D over the ep group: describes an expert shard as a DTensor of the whole parameter
+    expert_data_group: ProcessGroup | None  # same experts, other data (``None`` when dp == ep)
+    expert_data_size: int
+    expert_data_rank: int
+
+
+def build_expert_groups(mesh: DeviceMesh, ep_size: int, timeout: timedelta) -> ExpertGroups:
+    """Every rank must call this (creating groups is collective); see [Note: expert-parallel groups]."""
+    grid = mesh.mesh  # [pp, dp, sp, tp]
+    pp, dp, sp, tp = (int(size) for size in grid.shape)
+    if dp % ep_size != 0:
+        raise ValueError(
+            f"ep_size={ep_size} must divide the data-parallel size {dp} (world size / (tp_size * pp_size * sp_size)),"
+            " since expert-parallel ranks are carved out of the data-parallel ones: pick ep_size among its divisors."
+        )
+    own = collectives.rank()
+    dp_index = int((grid == own).nonzero()[0][1])
+    # [pp, dp / ep, ep, sp, tp]: ep groups along axis 2, expert-data groups along axis 1.
+    blocks = grid.reshape(pp, dp // ep_size, ep_size, sp, tp)
+    ep_group = collectives.new_group_containing(_axis_lists(blocks, 2), timeout)
+    expert_data_group = collectives.new_group_containing(_axis_lists(blocks, 1), timeout)
+    ep_ranks = next(ranks for ranks in _axis_lists(blocks, 2) if own in ranks)
+    ep_mesh = DeviceMesh.from_group(
+        ep_group, mesh.device_type, mesh=ep_ranks, mesh_dim_names=(f"ep_{_group_name(ep_group)}",)
+    )
+    return ExpertGroups(
+        ep_size=ep_size,
+        ep_rank=dp_index % ep_size,
+        ep_group=ep_group,
+        ep_mesh=ep_mesh,
+        expert_data_group=expert_data_group if dp > ep_size else None,
+        expert_data_size=dp // ep_size,
+        expert_data_rank=dp_index // ep_size,
+    )
 
 
 def _axis_lists(grid: torch.Tensor, axis: int) -> list[list[int]]:

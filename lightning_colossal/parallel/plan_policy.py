@@ -246,14 +246,14 @@ class PlanPolicy(ModelPolicy):
         head_counts = {count for _, count in self.heads}
         per_head = [name for name in names if _leading_size(model, name) in head_counts]
         if per_head:
-            example = ", ".join(f"'{key}': 'colwise'" for key in _plan_keys(per_head, self.prefix))
+            example = ", ".join(f"'{key}': 'colwise'" for key in _plan_keys(per_head, self.prefix, model))
             return (
                 f"{per_head} hold one row per attention head: add {example} to {where} (a key naming the parameter"
                 " itself splits its rows with the heads); or pass a ModelPolicy subclass that declares it."
             )
         # The parameter's module as a plan key: relative to the plan's root, layer indices as `*`.
         modules = [name.rpartition(".")[0] for name in names]
-        example = ", ".join(f"'{key}': '{PARTIAL_GRADIENT_STYLE}'" for key in _plan_keys(modules, self.prefix))
+        example = ", ".join(f"'{key}': '{PARTIAL_GRADIENT_STYLE}'" for key in _plan_keys(modules, self.prefix, model))
         return (
             f"Add {example} to {where} if each rank applies it to its own slice of the split heads/features (its"
             f" gradient is then summed over the tensor-parallel ranks), or '{REPLICATE_STYLE}' if it sees the whole"
@@ -261,10 +261,25 @@ class PlanPolicy(ModelPolicy):
         )
 
 
-def _plan_keys(names: list[str], prefix: str) -> list[str]:
-    """Plan keys for these names: relative to the plan's root, layer indices as ``*``."""
-    relative = (name.removeprefix(prefix) for name in names)
-    return sorted({".".join("*" if part.isdigit() else part for part in name.split(".")) for name in relative})
+def _plan_keys(names: list[str], prefix: str, model: nn.Module) -> list[str]:
+    """Plan keys for these names: relative to the plan's root, layer indices as ``*``. An index into an
+    ``nn.Sequential`` stays as it is: its children are different steps, not repeated layers (``*`` there would
+    declare the layers before the split too)."""
+    keys = set()
+    for name in names:
+        parts = name.split(".")
+        for position, part in enumerate(parts):
+            if part.isdigit() and not isinstance(_submodule(model, parts[:position]), nn.Sequential):
+                parts[position] = "*"
+        keys.add(".".join(parts).removeprefix(prefix))
+    return sorted(keys)
+
+
+def _submodule(model: nn.Module, parts: list[str]) -> nn.Module | None:
+    try:
+        return model.get_submodule(".".join(parts))
+    except AttributeError:
+        return None
 
 
 def _leading_size(model: nn.Module, name: str) -> int | None:

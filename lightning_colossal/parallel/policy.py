@@ -13,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from lightning_colossal.parallel.attached import AttachedTechniques
+from lightning_colossal.parallel.regions import RegionTrace, nested_candidates
+from lightning_colossal.parallel.sequence_layout import sequence_positions
 from lightning_colossal.parallel.tensor_parallel import (
     ColumnParallelLinear,
-    LocalColumnsLinear,
     ParallelContext,
     RowParallelLinear,
     TensorParallelPlacement,
@@ -34,10 +36,12 @@ from lightning_colossal.parallel.tensor_parallel import (
 # in ``partial_gradients`` for the same sum) and whole parameters get the whole gradient on every rank. The rule:
 # every whole parameter inside a region is either declared partial (summed by the engine's gradient hook, the one
 # split-gather's norm-gradient sum uses) or declared replicated; anything else is refused before training by
-# ``check_tensor_parallel_regions``. A region is taken structurally as a module that holds a row-parallel layer as a
-# child and a column-parallel layer anywhere below it (an attention or MLP block): the data flow inside it cannot be
-# seen without running it, so policies declare, and the check only catches what they did not. Plans name the
-# declaration with Hugging Face's styles: ``"replicated_with_grad_allreduce"`` (partial) and ``"replicate"``.
+# ``check_tensor_parallel_regions``. Nesting names the candidates (a module that holds a row-parallel layer as a
+# child and a column-parallel layer anywhere below it), and the order the modules run in the first forward decides
+# which of them are inside (``regions.py`` [Note: regions by the order modules run]): a LayerNorm before the split
+# in the same ``nn.Sequential`` is outside and trains. Policies declare what they know, and the check only catches
+# what they did not. Plans name the declaration with Hugging Face's styles: ``"replicated_with_grad_allreduce"``
+# (partial) and ``"replicate"``.
 
 
 @dataclass
@@ -55,12 +59,15 @@ class ParallelPlan:
             the policy knows see the region's whole, replicated input: their gradients are complete on every rank.
         attached: the hooks the policy attached to the model's modules (sequence parallelism); ``attached.remove()``
             takes them off ([Note: techniques attach as hooks]).
+        region_trace: whole parameters nesting puts in a tensor-parallel region, waiting for the first forward to
+            show whether they run inside it (``check_tensor_parallel_regions``; the engine settles it).
     """
 
     placements: dict[int, TensorParallelPlacement] = field(default_factory=dict)
     partial_gradients: list[nn.Parameter] = field(default_factory=list)
     replicated: list[nn.Parameter] = field(default_factory=list)
     attached: AttachedTechniques = field(default_factory=AttachedTechniques)
+    region_trace: RegionTrace | None = None
 
     def record(self, parameter: nn.Parameter | None, placement: TensorParallelPlacement) -> None:
         if parameter is not None:
@@ -168,41 +175,33 @@ def row_parallel(
 def check_tensor_parallel_regions(
     model: nn.Module, plan: ParallelPlan, how_to_declare: Callable[[list[str]], str] | None = None
 ) -> None:
-    """Refuse whole parameters left inside a tensor-parallel region without a word on their gradient (see [Note:
-    replicated parameters in tensor-parallel regions]); ``how_to_declare(names)`` says how this policy's user
-    declares them."""
-    # Split parameters (placements) hold only this rank's heads/features: their gradients are complete.
-    accounted = {id(parameter) for parameter in [*plan.partial_gradients, *plan.replicated]} | set(plan.placements)
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            # Split weights, and a row-parallel bias, which is added once after the sum (replicated input).
-            accounted.update(id(parameter) for parameter in module.parameters())
-    undeclared: dict[int, str] = {}
-    for region_name, region in model.named_modules():
-        if not any(isinstance(child, RowParallelLinear) for child in region.children()):
-            continue
-        if not any(isinstance(module, (ColumnParallelLinear, LocalColumnsLinear)) for module in region.modules()):
-            continue
-        for name, parameter in region.named_parameters():
-            if id(parameter) not in accounted:
-                undeclared.setdefault(id(parameter), f"{region_name}.{name}" if region_name else name)
-    if not undeclared:
+    """Find whole parameters nested in a tensor-parallel region without a word on their gradient, and leave
+    ``plan.region_trace`` to watch whether the first forward runs them inside it (see [Note: replicated parameters in
+    tensor-parallel regions]); ``how_to_declare(names)`` says how this policy's user declares them. A plan whose
+    trace is set already (a policy checked its own plan) is left as it is."""
+    if plan.region_trace is not None:
         return
-    names = list(undeclared.values())
-    fix = (
-        how_to_declare(names)
-        if how_to_declare is not None
-        else "Record each in the ParallelPlan your policy's parallelize returns: `plan.add_partial_gradients([...])`"
-        " if it is applied to this rank's slice of the split features, `plan.replicated.append(...)` if it sees the"
-        " whole input."
-    )
-    raise ValueError(
-        f"Tensor parallelism leaves {names} whole inside a tensor-parallel region (a module holding a row-parallel"
-        " layer and the column-parallel layers feeding it), and nothing says whether each rank applies it to the"
-        " whole input (its gradient is then complete on every rank) or to its own slice of the split heads/features"
-        " (a per-head norm: each rank's gradient is then a part the ranks must sum). Either guess can train silently"
-        f" wrong, so the model is refused before training. {fix}"
-    )
+    candidates = nested_candidates(model, plan)
+    if not candidates:
+        return
+
+    def refusal(names: list[str], why: str) -> ValueError:
+        fix = (
+            how_to_declare(names)
+            if how_to_declare is not None
+            else "Record each in the ParallelPlan your policy's parallelize returns: `plan.add_partial_gradients([...])`"
+            " if it is applied to this rank's slice of the split features, `plan.replicated.append(...)` if it sees"
+            " the whole input."
+        )
+        return ValueError(
+            f"Tensor parallelism leaves {names} whole inside a tensor-parallel region (between a column-parallel layer"
+            f" and the row-parallel layer it feeds). {why} Nothing says whether each rank applies them to the whole"
+            " input (the gradient is then complete on every rank) or to its own slice of the split heads/features (a"
+            " per-head norm: each rank's gradient is then a part the ranks must sum). Either guess can train silently"
+            f" wrong, so the model is refused before its first optimizer step. {fix}"
+        )
+
+    plan.region_trace = RegionTrace(model, candidates, refusal)
 
 
 def _keep_frozen(layer: nn.Module, original: nn.Module) -> None:
@@ -229,7 +228,9 @@ def refuse_sequence_parallel(context: ParallelContext, what: str) -> None:
     if context.split_gather or context.sp_size > 1:
         raise ValueError(
             f"{what} does not install sequence parallelism (it would need to know where the model's sequence"
-            " dimension flows through every layer; only the demo GPT's policy does): drop sequence_parallel/sp_size."
+            " dimension flows through every layer; the demo GPT's policy does, and the built-in Hugging Face decoder"
+            " policies through transformers' attention interface, parallel/huggingface/sequence.py): drop"
+            " sequence_parallel/sp_size."
         )
 
 
@@ -238,15 +239,17 @@ def check_divisible(what: str, count: int, parts: int, fix: str) -> None:
         raise ValueError(f"{what} = {count} is not divisible by {parts}: {fix}")
 
 
-def positions_for(sequence_length: int, context: ParallelContext) -> range:
-    """Absolute positions of this rank's tokens: an offset under sequence parallelism.
+def positions_for(sequence_length: int, context: ParallelContext) -> Tensor:
+    """Absolute positions (int64, in the order this rank holds its tokens) of this rank's ``sequence_length`` tokens.
 
-    Under Ulysses (``sp``) the batch arrives already split, rank r holding the r-th slice; under split-gather the
-    batch is whole and the embedding output is split, so positions are sliced here. A ``range``, so callers can
-    check bounds without reading a device tensor back.
+    Under split-gather the batch is whole (``sequence_length`` is the whole length) and the embedding output is split
+    into contiguous tensor-parallel slices. Under Ulysses and ring attention the batch arrives split
+    (``sequence_length`` is this rank's share): a contiguous slice, or the two zigzag chunks under ring
+    ([Note: sequence layouts] in ``sequence_layout.py``).
     """
     if context.split_gather:
-        length = sequence_length // context.tp_size
-        return range(context.tp_rank * length, (context.tp_rank + 1) * length)
-    start = context.sp_rank * sequence_length if context.sp_size > 1 else 0
-    return range(start, start + sequence_length)
+        return sequence_positions(sequence_length, context.tp_size, context.tp_rank, "contiguous")
+    if context.sp_size == 1:
+        return torch.arange(sequence_length)
+    whole = sequence_length * context.sp_size
+    return sequence_positions(whole, context.sp_size, context.sp_rank, context.sequence_layout)

@@ -73,14 +73,17 @@ class ParallelContext:
     Args:
         tp_group: tensor-parallel group (``None`` when tp_size is 1).
         tp_mesh: 1-D mesh of the tensor-parallel ranks (for DTensor logits and checkpoint descriptions).
-        sp_group: Ulysses sequence-parallel group (``None`` when sp_size is 1).
+        sp_group: sequence-parallel group, Ulysses' or the ring's (``None`` when sp_size is 1).
         split_gather: activations between layers are sequence shards over the tensor-parallel ranks.
+        sequence_layout: which tokens each ``sp_group`` rank holds: ``"contiguous"`` under Ulysses, ``"zigzag"`` under
+            ring attention ([Note: sequence layouts] in ``sequence_layout.py``); policies choose the attention by it.
     """
 
     tp_group: ProcessGroup | None
     tp_mesh: DeviceMesh | None
     sp_group: ProcessGroup | None
     split_gather: bool = False
+    sequence_layout: str = "contiguous"
 
     @property
     def tp_size(self) -> int:
@@ -97,6 +100,11 @@ class ParallelContext:
     @property
     def sp_rank(self) -> int:
         return collectives.rank(self.sp_group) if self.sp_group is not None else 0
+
+    @property
+    def ring(self) -> bool:
+        """Whether attention runs as ring attention over ``sp_group`` (``sequence_parallel="ring"``)."""
+        return self.sp_size > 1 and self.sequence_layout == "zigzag"
 
 
 def shard_of(full: Tensor, placement: TensorParallelPlacement, rank: int, size: int) -> Tensor:
@@ -188,7 +196,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         partial = hidden @ self.weight if self.transposed else F.linear(hidden, self.weight)
         if self.context.split_gather:
-            output = differentiable.reduce_scatter_along(partial, 1, self.context.tp_group)
+            # The sequence is the dimension before the features: dim 1 of [batch, sequence, features], dim 0 of tokens
+            # flattened by the model (OPT's MLP), which the column-parallel layer before gathered along the same dim.
+            output = differentiable.reduce_scatter_along(partial, partial.dim() - 2, self.context.tp_group)
         else:
             output = differentiable.reduce_from_group(partial, self.context.tp_group)
         return output if self.bias is None else output + self.bias
@@ -323,7 +333,7 @@ class _SequenceGatheredProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: Tensor, weight: Tensor, group: ProcessGroup, transposed: bool) -> Tensor:
-        whole = collectives.gather_along(shard.contiguous(), 1, group)
+        whole = collectives.gather_along(shard.contiguous(), shard.dim() - 2, group)  # the sequence (RowParallelLinear)
         ctx.save_for_backward(shard, weight)
         ctx.group, ctx.transposed = group, transposed
         return whole @ weight if transposed else F.linear(whole, weight)
@@ -334,9 +344,11 @@ class _SequenceGatheredProduct(torch.autograd.Function):
         shard_gradient = weight_gradient = None
         if ctx.needs_input_grad[0]:
             whole_gradient = gradient @ weight.t() if ctx.transposed else gradient @ weight
-            shard_gradient = collectives.reduce_scatter_along(whole_gradient.contiguous(), 1, ctx.group)
+            shard_gradient = collectives.reduce_scatter_along(
+                whole_gradient.contiguous(), whole_gradient.dim() - 2, ctx.group
+            )
         if ctx.needs_input_grad[1]:
-            whole = collectives.gather_along(shard.contiguous(), 1, ctx.group)
+            whole = collectives.gather_along(shard.contiguous(), shard.dim() - 2, ctx.group)
             inputs = whole.reshape(-1, whole.shape[-1])
             outputs = gradient.reshape(-1, gradient.shape[-1])
             weight_gradient = inputs.t() @ outputs if ctx.transposed else outputs.t() @ inputs

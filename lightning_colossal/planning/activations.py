@@ -32,6 +32,12 @@ precision is autocast: the residual stream and the norms stay fp32 (R = 4) while
 autocast also casts each matmul weight, whose 2-byte copy autograd saves (``cache_enabled=False``: no sharing across
 calls). FSDP gathers its parameters in the compute dtype already, so nothing is cast there.
 
+Ring attention (``sp_size`` ranks, ``sequence_parallel="ring"``): every rank holds ``1 / sp_size`` of each sequence,
+so every per-token term above applies to ``tokens / sp_size``; the ring's own backward keeps its output in fp32 (the
+fp32 accumulation it merges blocks in), which under a 16-bit compute dtype is a tensor beside the cast output the
+out-projection reads: 4·h/t more per token (none in fp32, where they are one tensor). Nothing of another rank's tokens is kept: key/value blocks pass through and are sent again in backward
+(``ring_exchange_bytes``).
+
 With activation checkpointing each layer keeps only its input (R·h per token), and one layer's activations exist
 again while it is recomputed in backward. Measured against the bytes of the tensors saved for backward
 (``saved_tensors_hooks``) in ``tests/unit/test_plan.py`` and ``tests/distributed/test_plan_against_engines.py``;
@@ -45,7 +51,14 @@ from dataclasses import dataclass
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import Training
 
-__all__ = ["ActivationEstimate", "Workload", "activation_estimate", "layer_bytes_per_token", "outside_bytes_per_token"]
+__all__ = [
+    "ActivationEstimate",
+    "Workload",
+    "activation_estimate",
+    "layer_bytes_per_token",
+    "outside_bytes_per_token",
+    "ring_exchange_bytes",
+]
 
 INDEX_BYTES = 8  # int64 token ids and targets
 FP32 = 4
@@ -104,6 +117,11 @@ def _widths(training: Training, dtype_bytes: int) -> _Widths:
     return _Widths(residual, compute, training.mixed, mask)
 
 
+def compute_bytes(training: Training) -> int:
+    """Bytes of one activation element in the compute dtype (2 under bf16, 4 under fp32)."""
+    return _widths(training, 0).compute
+
+
 def _norm_bytes(model: ModelShape, widths: _Widths, consumers: int) -> int:
     """One norm per token: what it saves, and its output as the input of its ``consumers`` matmuls."""
     hidden = model.architecture.hidden
@@ -130,14 +148,21 @@ def _attention_bytes(model: ModelShape, widths: _Widths, sequence_length: int, c
     return saved
 
 
-def layer_bytes_per_token(model: ModelShape, training: Training, tp_size: int, sequence_length: int) -> float:
-    """Bytes one transformer layer saves per token (see [Note: the activation formula])."""
+def layer_bytes_per_token(
+    model: ModelShape, training: Training, tp_size: int, sequence_length: int, ring: bool = False
+) -> float:
+    """Bytes one transformer layer saves per token (see [Note: the activation formula]); ``ring``: under ring
+    attention."""
     shape = model.architecture
     widths = _widths(training, 0)
     norms = _norm_bytes(model, widths, shape.attention_input_matmuls)
     norms += _norm_bytes(model, widths, shape.mlp_input_matmuls)
     cpu = training.device_type == "cpu"
     attention = _attention_bytes(model, widths, sequence_length, cpu)
+    if ring:
+        # The ring keeps its fp32 output for backward; in fp32 that is the output it returns, otherwise a second
+        # tensor beside the cast one the out-projection reads.
+        attention += FP32 * shape.hidden if widths.compute != FP32 else 0
     mlp_tensors = 4 if shape.gated_mlp else shape.activation_saves + 1
     mlp = widths.compute * shape.intermediate * mlp_tensors
     masks = 2 * widths.mask * shape.hidden if shape.dropout > 0 else 0
@@ -171,7 +196,12 @@ def _weight_copy_bytes(model: ModelShape, training: Training, tp_size: int, cast
 
 
 def activation_estimate(
-    model: ModelShape, training: Training, workload: Workload, tp_size: int = 1, casts_weights: bool = True
+    model: ModelShape,
+    training: Training,
+    workload: Workload,
+    tp_size: int = 1,
+    casts_weights: bool = True,
+    sp_size: int = 1,
 ) -> ActivationEstimate:
     """Bytes one rank saves for backward in one micro-batch (see [Note: the activation formula]).
 
@@ -181,9 +211,10 @@ def activation_estimate(
         workload: micro-batch, sequence length, activation checkpointing.
         tp_size: tensor-parallel ranks splitting the layers (hybrid; 1 otherwise).
         casts_weights: whether autocast casts the weights (not under FSDP, which gathers them in the compute dtype).
+        sp_size: ring-attention ranks each holding ``1 / sp_size`` of every sequence (hybrid; 1 otherwise).
     """
-    tokens = workload.tokens
-    per_layer = layer_bytes_per_token(model, training, tp_size, workload.sequence_length)
+    tokens = workload.tokens / sp_size
+    per_layer = layer_bytes_per_token(model, training, tp_size, workload.sequence_length, ring=sp_size > 1)
     layers = model.architecture.layers
     if workload.activation_checkpointing:
         residual = _widths(training, 0).residual
@@ -195,3 +226,16 @@ def activation_estimate(
         outside_layers=round(tokens * outside_bytes_per_token(model, training, tp_size)),
         weight_copies=_weight_copy_bytes(model, training, tp_size, casts_weights, workload.activation_checkpointing),
     )
+
+
+def ring_exchange_bytes(model: ModelShape, training: Training, workload: Workload, tp_size: int, sp_size: int) -> int:
+    """Bytes one rank sends per layer per micro-batch under ring attention over ``sp_size`` ranks: its key/value
+    block (``sp_size - 1`` hops forward and again in backward, in the compute dtype) and the fp32 key/value gradient
+    accumulators (``sp_size`` hops, back to their owner); see ``distributed/ring_attention.py``. 0 without a ring."""
+    if sp_size == 1:
+        return 0
+    shape = model.architecture
+    kv_width = shape.hidden // shape.heads * shape.kv_heads / tp_size
+    block_elements = 2 * kv_width * workload.tokens / sp_size  # keys and values of this rank's tokens
+    compute = _widths(training, 0).compute
+    return round(block_elements * (2 * (sp_size - 1) * compute + sp_size * FP32))

@@ -73,6 +73,9 @@ class Architecture:
         max_sequence: the longest sequence the model accepts (learned position table), ``None`` if unknown.
         tensor_parallel_policy: the ``colossal_hybrid`` policy that would split this model, ``None`` if none would.
         vocab_parallel: whether that policy splits the embedding and head over the vocabulary.
+        experts: routed experts per mixture-of-experts layer (0: a dense model); each experts module stores them as
+            fused 3-D weights ``[experts, ...]``, which expert parallelism (``ep_size``) divides.
+        experts_per_token: experts each token is routed to (top-k).
     """
 
     layers: int
@@ -91,6 +94,8 @@ class Architecture:
     max_sequence: int | None
     tensor_parallel_policy: str | None
     vocab_parallel: bool
+    experts: int = 0
+    experts_per_token: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lightning_colossal.planning.activations import ActivationEstimate, Workload, activation_estimate
+from lightning_colossal.planning.activations import (
+    ActivationEstimate,
+    Workload,
+    activation_estimate,
+    compute_bytes,
+    ring_exchange_bytes,
+)
 from lightning_colossal.planning.disk_tier import DISK_FRACTIONS, Disk, io_seconds
+from lightning_colossal.planning.experts import all_to_all_bytes_per_step, expert_parallel_state, moe_layers
 from lightning_colossal.planning.model_shape import ModelShape
-from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, model_state
+from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, disk_records_of, model_state
 from lightning_colossal.planning.settings import (
     DISK_BASES,
     Setting,
@@ -101,6 +108,7 @@ class Evaluation:
     disk_bytes: int = 0  # per node: every local rank's disk bytes, on the node's one disk
     fits_disk: bool = True
     disk_io_seconds: float | None = None  # lower bound of one optimizer step's disk I/O on a node (disk settings)
+    checkpoint_extra_bytes: int = 0  # per node: host bytes a checkpoint save or load adds to a disk setting's
     notes: tuple[str, ...] = ()
 
     @property
@@ -148,10 +156,14 @@ def evaluate(
     """The fullest rank's memory under ``setting``, and whether it fits."""
     data_parallel = hardware.world_size // setting.tp_size
     shapes = model.tensor_parallel_shapes(setting.tp_size) if setting.family == "hybrid" else model.shapes
-    state = model_state(shapes, setting, training, data_parallel, rank=0)
+    state = (
+        expert_parallel_state(model, setting, training, data_parallel)
+        if setting.ep_size > 1
+        else model_state(shapes, setting, training, data_parallel, rank=0)
+    )
     working = working_memory(model, setting, training, data_parallel)
     activations = activation_estimate(
-        model, training, workload, setting.tp_size, casts_weights=setting.family != "fsdp"
+        model, training, workload, setting.tp_size, casts_weights=setting.family != "fsdp", sp_size=setting.sp_size
     )
     on_device = state.placed.device + working.placed.device + activations.total + hardware.device_reserve
     host_per_rank = state.placed.host + working.placed.host
@@ -164,7 +176,12 @@ def evaluate(
     if on_disk and hardware.disk is None:
         raise ValueError(f"{setting.label} keeps state on disk: describe the disk (Hardware.disk) to weigh it.")
     disk = hardware.disk
+    records = disk_records_of(model.shapes, setting, training, data_parallel, 0)  # as working_memory counts them
     how, notes = _how(setting, workload)
+    if setting.sp_size > 1:
+        notes += _ring_notes(model, setting, training, workload)
+    if setting.ep_size > 1:
+        notes += _expert_notes(model, setting, training, workload)
     return Evaluation(
         setting=setting,
         how=how,
@@ -181,8 +198,40 @@ def evaluate(
         fits_disk=disk is None or disk.space is None or on_disk <= disk.space,
         # Each optimizer step reads every byte on disk once and writes it back once; a node's ranks share its disk.
         disk_io_seconds=io_seconds(disk, on_disk, on_disk) if disk is not None and setting.uses_disk else None,
+        checkpoint_extra_bytes=records.checkpoint_bytes * hardware.devices_per_node,
         notes=notes,
     )
+
+
+def _expert_notes(model: ModelShape, setting: Setting, training: Training, workload: Workload) -> tuple[str, ...]:
+    """What an expert-parallel setting sends per micro-batch ([Note: expert-parallel all-to-all bytes])."""
+    shape = model.architecture
+    traffic = all_to_all_bytes_per_step(
+        tokens=workload.tokens,
+        top_k=shape.experts_per_token or 1,
+        hidden=shape.hidden,
+        element_bytes=compute_bytes(training),
+        ep_size=setting.ep_size,
+        moe_layers=moe_layers(model),
+        activation_checkpointing=workload.activation_checkpointing,
+    )
+    return (
+        f"{setting.label}: each rank sends {format_bytes(traffic.total)} per micro-batch in the experts' all-to-alls"
+        f" (and receives as much), with balanced routing; {shape.experts} experts, {shape.experts_per_token} per token",
+    )
+
+
+def _ring_notes(model: ModelShape, setting: Setting, training: Training, workload: Workload) -> tuple[str, ...]:
+    """What a ring-attention setting sends, and the sequence lengths it takes."""
+    sent = ring_exchange_bytes(model, training, workload, setting.tp_size, setting.sp_size)
+    notes = (
+        f"{setting.label}: each rank sends {format_bytes(sent)} per layer per micro-batch around the ring (key/value"
+        " blocks forward and backward, their fp32 gradients back to their owners), overlapped with attention",
+    )
+    chunks = 2 * setting.sp_size
+    if workload.sequence_length % chunks:
+        notes += (f"{setting.label} needs a sequence length divisible by 2 * sp_size = {chunks} (zigzag chunks)",)
+    return notes
 
 
 def _need(evaluation: Evaluation, hardware: Hardware) -> str:
@@ -352,9 +401,21 @@ def _disk_notes(hardware: Hardware, training: Training) -> list[str]:
 
 
 def checkpoint_host_bytes(evaluation: Evaluation) -> int:
-    """Host bytes per node while a checkpoint of a disk setting is saved or loaded: the engines read the state on disk
-    into host memory for it (``optimizer_state_by_name``: ``DiskOptimizerState.materialise``) until it is written."""
+    """Host bytes per node while a checkpoint of a disk setting is saved or loaded: the state on disk goes through
+    host memory one entry at a time (``engine_parts/stand_ins.py`` [Note: deferred tensors]), two records per rank."""
+    return evaluation.host_bytes + evaluation.checkpoint_extra_bytes
+
+
+def background_checkpoint_host_bytes(evaluation: Evaluation) -> int:
+    """Host bytes per node while a background save (``async_checkpoint=True``) of a disk setting is staged: its copy
+    holds every tensor of the save, the state on disk included, while training goes on."""
     return evaluation.host_bytes + evaluation.disk_bytes
+
+
+def _verdict(peak: int, hardware: Hardware, what: str) -> str:
+    if peak > hardware.host_memory:
+        return f"more than the node's {format_bytes(hardware.host_memory)}: {what} would run out of host memory"
+    return f"within the node's {format_bytes(hardware.host_memory)}"
 
 
 def _checkpoint_save_note(evaluations: list[Evaluation], hardware: Hardware, chosen: str | None) -> list[str]:
@@ -363,15 +424,13 @@ def _checkpoint_save_note(evaluations: list[Evaluation], hardware: Hardware, cho
     if evaluation is None:
         return []
     peak = checkpoint_host_bytes(evaluation)
-    verdict = (
-        f"more than the node's {format_bytes(hardware.host_memory)}: saving or loading a checkpoint would run out of"
-        " host memory"
-        if peak > hardware.host_memory
-        else f"within the node's {format_bytes(hardware.host_memory)}"
-    )
+    background = background_checkpoint_host_bytes(evaluation)
     return [
-        f"checkpoints of {evaluation.setting.label}: saving or loading one reads the state on disk into host memory"
-        f" until it is written, about {format_bytes(peak)} per node (host/node + the disk bytes), {verdict}"
+        f"checkpoints of {evaluation.setting.label}: saving or loading one streams the state on disk through host"
+        f" memory one record at a time, about {format_bytes(peak)} per node (host/node + 2 records per rank),"
+        f" {_verdict(peak, hardware, 'saving or loading a checkpoint')}; a background save (async_checkpoint=True)"
+        f" stages all of it, about {format_bytes(background)} per node (host/node + the disk bytes),"
+        f" {_verdict(background, hardware, 'a background save')}"
     ]
 
 

@@ -6,7 +6,13 @@ from dataclasses import asdict
 from typing import Any
 
 from lightning_colossal.planning.model_state import Placed
-from lightning_colossal.planning.planner import Evaluation, Hardware, Plan, checkpoint_host_bytes
+from lightning_colossal.planning.planner import (
+    Evaluation,
+    Hardware,
+    Plan,
+    background_checkpoint_host_bytes,
+    checkpoint_host_bytes,
+)
 from lightning_colossal.planning.units import format_bytes
 
 __all__ = ["plan_to_json", "render_plan"]
@@ -168,6 +174,7 @@ def _disk_io(evaluation: Evaluation) -> dict[str, Any] | None:
         "written_bytes_per_step_per_node": evaluation.disk_bytes,
         "seconds_per_step_lower_bound": evaluation.disk_io_seconds,
         "checkpoint_host_bytes_per_node": checkpoint_host_bytes(evaluation),
+        "background_checkpoint_host_bytes_per_node": background_checkpoint_host_bytes(evaluation),
     }
 
 
@@ -178,6 +185,7 @@ def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
         "family": evaluation.setting.family,
         "how": evaluation.how,
         "tp_size": evaluation.setting.tp_size,
+        "sp_size": evaluation.setting.sp_size,
         "disk_fraction": evaluation.setting.disk_fraction,
         "model_state": {
             "parameters": _placed(state.parameters),

@@ -11,8 +11,10 @@ __all__ = [
     "DISK_BASES",
     "Setting",
     "disk_setting",
+    "expert_parallel_sizes",
     "hybrid_settings",
     "offload_settings",
+    "ring_sizes",
     "setting_named",
     "standard_settings",
     "tensor_parallel_sizes",
@@ -35,6 +37,10 @@ class Setting:
         disk_fraction: share of the offloaded optimizer state (Adam's moments) on disk between steps (the disk tier:
             ``ZeroConfig.disk_fraction``, ``StaticPlacement.disk_fraction``); needs ``offload``.
         tp_size: tensor-parallel ranks (hybrid).
+        sp_size: ring-attention ranks (hybrid with ``sequence_parallel="ring"``): each holds ``1 / sp_size`` of every
+            sequence, so its activations shrink by that factor, for key/value blocks sent around the ring per layer.
+        ep_size: expert-parallel ranks (hybrid with ``ep_size``): each keeps ``1 / ep_size`` of every experts
+            module's experts, and routed tokens travel to them by all-to-all.
         why_prefer: what this setting is good at, for the recommendation.
     """
 
@@ -46,6 +52,8 @@ class Setting:
     offload_parameters: float = 0.0
     disk_fraction: float = 0.0
     tp_size: int = 1
+    sp_size: int = 1
+    ep_size: int = 1
     why_prefer: str = ""
 
     @property
@@ -152,21 +160,64 @@ def tensor_parallel_sizes(model: ModelShape, devices_per_node: int) -> list[int]
 
 
 def hybrid_settings(model: ModelShape, devices_per_node: int) -> list[Setting]:
-    """``colossal_hybrid`` with each usable tp size and ZeRO-1 over the data-parallel rest (empty when no policy
-    splits the model)."""
-    if model.architecture.tensor_parallel_policy is None:
-        return []
-    return [
+    """``colossal_hybrid`` with each usable tp size, then each usable ring size, and ZeRO-1 over the data-parallel
+    rest (empty when no policy splits the model)."""
+    experts = [
         Setting(
-            label=f"colossal_hybrid tp={size} zero1",
+            label=f"colossal_hybrid ep={size} zero1",
             family="hybrid",
-            how=f"HybridParallelStrategy(tp_size={size}, zero_stage=1)",
+            how=f"HybridParallelStrategy(ep_size={size}, zero_stage=1)",
             zero_stage=1,
-            tp_size=size,
-            why_prefer="splits the layers and their activations over the node's devices",
+            ep_size=size,
+            why_prefer="splits the experts over the node's devices (ZeRO-1 on the rest)",
         )
-        for size in tensor_parallel_sizes(model, devices_per_node)
+        for size in expert_parallel_sizes(model, devices_per_node)
     ]
+    if model.architecture.tensor_parallel_policy is None:
+        return experts
+    return (
+        experts
+        + [
+            Setting(
+                label=f"colossal_hybrid tp={size} zero1",
+                family="hybrid",
+                how=f"HybridParallelStrategy(tp_size={size}, zero_stage=1)",
+                zero_stage=1,
+                tp_size=size,
+                why_prefer="splits the layers and their activations over the node's devices",
+            )
+            for size in tensor_parallel_sizes(model, devices_per_node)
+        ]
+        + [
+            Setting(
+                label=f"colossal_hybrid ring sp={size} zero1",
+                family="hybrid",
+                how=f'HybridParallelStrategy(sp_size={size}, sequence_parallel="ring", zero_stage=1)',
+                zero_stage=1,
+                sp_size=size,
+                why_prefer="splits every sequence, and so the activations, over the ring's devices",
+            )
+            for size in ring_sizes(model, devices_per_node)
+        ]
+    )
+
+
+def expert_parallel_sizes(model: ModelShape, devices_per_node: int) -> list[int]:
+    """ep sizes above 1 that divide both the experts and the node's devices (the all-to-all of every MoE layer stays
+    inside a node), for models with experts."""
+    experts = model.architecture.experts
+    if experts < 2:
+        return []
+    return [size for size in range(2, devices_per_node + 1) if devices_per_node % size == 0 and experts % size == 0]
+
+
+def ring_sizes(model: ModelShape, devices_per_node: int) -> list[int]:
+    """Ring sizes above 1 that divide the node's devices, for models whose policy installs ring attention (the demo
+    GPT's; docs/hybrid.md, ring attention). The ring passes blocks between neighbours only, but keeping it inside a
+    node keeps those sends off the network."""
+    if model.source != "demo" or model.architecture.dropout > 0:  # the demo's ring refuses attention dropout
+        return []
+    return [size for size in range(2, devices_per_node + 1) if devices_per_node % size == 0]
 
 
 def setting_named(label: str) -> Setting:

@@ -212,8 +212,19 @@ def _huggingface_architecture(config: Any, model: Any) -> Architecture:
         max_sequence=getattr(config, "max_position_embeddings", None),
         tensor_parallel_policy=policy,
         vocab_parallel=False,  # the Hugging Face policies split the blocks only; embeddings and heads stay whole
+        experts=_routed_experts(config),
+        experts_per_token=int(getattr(config, "num_experts_per_tok", None) or 0),
         **_huggingface_layout(model),
     )
+
+
+def _routed_experts(config: Any) -> int:
+    """Routed experts per MoE layer, under whichever name the family's config uses (0 for a dense model)."""
+    for attribute in ("n_routed_experts", "num_local_experts", "num_experts"):
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return 0
 
 
 def huggingface_model(path: str) -> ModelShape:

@@ -23,6 +23,7 @@ from lightning_colossal.config import (
     HybridConfig,
     PipelineConfig,
     PipelineSchedule,
+    Ring,
     SequenceParallelMode,
     ZeroConfig,
 )
@@ -87,6 +88,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         policy: ModelPolicy | dict[str, str] | None = None,
         communication: Communication = "auto",
         zero: ZeroConfig | None = None,
+        ep_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -109,6 +111,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             init_window_bytes=init_window_bytes,
             communication=communication,
             zero=zero,
+            ep_size=ep_size,
         )
         self.policy = policy
         self.engine: HybridEngine | None = None
@@ -124,6 +127,8 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
 
     def parameter_pieces(self) -> str | None:
         config = self.hybrid_config
+        if config.ep_size > 1:
+            return f"only its experts of each mixture-of-experts layer (ep_size={config.ep_size})"
         if config.tp_size == 1 and config.pp_size == 1:
             return None  # data (and sequence) parallelism only: every rank holds every parameter whole
         return (
@@ -197,11 +202,13 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
 
     # ---------------------------------------------------------------------------------------------- steps
     def _with_split_batch(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Ulysses: each sequence-parallel rank takes its slice of every ``[batch, sequence, ...]`` tensor."""
+        """Ulysses and ring: each sequence-parallel rank takes its share of every ``[batch, sequence, ...]`` tensor (a
+        slice under Ulysses, two zigzag chunks under ring: [Note: sequence layouts] in parallel/sequence_layout.py)."""
         sp_size = self.hybrid_config.sp_size
         if not args or sp_size == 1:
             return args
-        return (split_sequence(args[0], sp_size, self.device_mesh["sp"].get_local_rank()), *args[1:])
+        layout = "zigzag" if isinstance(self.hybrid_config.sequence_parallelism, Ring) else "contiguous"
+        return (split_sequence(args[0], sp_size, self.device_mesh["sp"].get_local_rank(), layout), *args[1:])
 
     def _pipeline(self) -> PipelineStep:
         assert self.engine is not None and self.engine.pipeline is not None

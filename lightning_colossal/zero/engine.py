@@ -82,6 +82,9 @@ class ZeroEngine(EngineDiskTier):
         describe: how a master (or state shaped like it) is described as a piece of the whole tensor in checkpoints;
             by default a ``Shard(0)`` DTensor on ``device_mesh``. Hybrid parallelism passes one for tensor-parallel
             shards.
+        kept_whole: ids of parameters that differ between the ranks of ``device_mesh`` (hybrid's expert slices),
+            which the caller reduces: no master, no broadcast, no sharding; the optimizer steps them as they are, and
+            their state is saved by name beside the masters' (described by ``describe`` too).
     """
 
     def __init__(
@@ -92,9 +95,11 @@ class ZeroEngine(EngineDiskTier):
         device_mesh: DeviceMesh,
         compute_device: torch.device,
         describe: Callable[[ShardedMaster, Tensor], Tensor] | None = None,
+        kept_whole: frozenset[int] = frozenset(),
     ) -> None:
         self.module = module
         self.describe = describe
+        self.kept_whole = kept_whole
         self.optimizer = optimizer
         self.config = config
         self.device_mesh = device_mesh
@@ -117,6 +122,14 @@ class ZeroEngine(EngineDiskTier):
             self._master_view(offset, member) for offset, member in zip(offsets[:-1], self.members, strict=True)
         ]
         master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
+        # Parameters kept whole stay in the optimizer as themselves; each rank's state for them is its own.
+        held_whole = self._held_whole(optimizer)
+        self.whole_entries = [
+            ShardedMaster(name, shard_spec(parameter.shape, 1, 0), parameter)
+            for name, parameter in module.named_parameters()
+            if id(parameter) in held_whole
+        ]
+        master_of.update({id(entry.master): entry.master for entry in self.whole_entries})
         optimizer_takeover.swap_parameters(optimizer, master_of)
         # See [Note: parameter exchange per backend]; stages.py's [Note: ZeRO-2 reduction per backend] for gradients.
         self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
@@ -161,8 +174,16 @@ class ZeroEngine(EngineDiskTier):
         return [
             ReducedParameter(name, parameter, shard_spec(parameter.shape, self.world_size, self.rank))
             for name, parameter in self.module.named_parameters()
-            if id(parameter) in in_optimizer and parameter.requires_grad
+            if id(parameter) in in_optimizer and parameter.requires_grad and id(parameter) not in self.kept_whole
         ]
+
+    def _held_whole(self, optimizer: Optimizer) -> set[int]:
+        return {
+            id(parameter)
+            for group in optimizer.param_groups
+            for parameter in group["params"]
+            if id(parameter) in self.kept_whole and parameter.requires_grad
+        }
 
     def _build_reducer(self) -> GradientReducer:
         """The reducer of the configured stage (the one place the stage is looked at)."""
@@ -188,7 +209,8 @@ class ZeroEngine(EngineDiskTier):
         # step ever re-synchronises.
         with torch.no_grad(), Activity("broadcasting rank 0's initial parameters"):
             for parameter in self.module.parameters():
-                collectives.broadcast_tensor(parameter.data, source_rank=0, group=self.process_group)
+                if id(parameter) not in self.kept_whole:  # those differ between the ranks by design
+                    collectives.broadcast_tensor(parameter.data, source_rank=0, group=self.process_group)
 
     def _allocate_masters(self) -> tuple[Tensor | None, Tensor | None]:
         if self.masters_alias_parameters:
@@ -458,12 +480,13 @@ class ZeroEngine(EngineDiskTier):
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""
         self._read_disk_state_for_checkpoint()
         return sharded_state.optimizer_state_by_name(
-            self.optimizer, self.sharded_masters, self.device_mesh, self.describe
+            self.optimizer, self.sharded_masters + self.whole_entries, self.device_mesh, self.describe
         )
 
     def load_optimizer_state_by_name(self, loaded: dict[str, Any]) -> None:
         """Apply a name-keyed state: shards DCP already filled in place, or full tensors (plain checkpoints)."""
-        sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters, loaded)
+        self._prepare_disk_state_for_load(loaded)
+        sharded_state.load_optimizer_state_by_name(self.optimizer, self.sharded_masters + self.whole_entries, loaded)
         self._write_loaded_state_to_disk()
 
     def reduce_now(self) -> None:

@@ -75,6 +75,8 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
             attn_implementation="eager",
         )
         return BertForMaskedLM(bert_config)
+    if kind == "sequential":
+        return sequential_model(norm_inside=overrides.get("norm_inside", False))
     # A tiny decoder: 4 query heads over 2 key/value heads.
     decoder = {
         "vocab_size": VOCAB,
@@ -96,9 +98,58 @@ def build_model(kind: str, **overrides: Any) -> torch.nn.Module:
         # A window shorter than the sequence: Mistral's forward builds a sliding-window mask for every layer.
         window = overrides.get("sliding_window", 3)
         return MistralForCausalLM(MistralConfig(**decoder, sliding_window=window, tie_word_embeddings=False))
+    if kind in MORE_DECODERS:
+        import transformers
+
+        config_class, model_class, extra = MORE_DECODERS[kind]
+        config = getattr(transformers, config_class)(**decoder, pad_token_id=0, bos_token_id=0, eos_token_id=0, **extra)
+        return getattr(transformers, model_class)(config)
     from lightning_colossal.demo.model import GPT
 
     return GPT(gpt_config(**overrides))
+
+
+#: More tiny decoders (pipeline rows): config class, model class, config settings beyond the shared ones.
+MORE_DECODERS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"tie_word_embeddings": False}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 8, "tie_word_embeddings": True}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+
+
+#: Issue 29: torch's tensor-parallel tutorial plan on an nn.Sequential (names relative to the LightningModule).
+SEQUENTIAL_PLAN = {"model.3": "colwise", "model.5": "rowwise"}
+
+
+def sequential_model(norm_inside: bool = False) -> torch.nn.Module:
+    """Token ids -> logits. The embedding and a LayerNorm run before the column-parallel ``3`` (outside the region);
+    with ``norm_inside`` a LayerNorm over the split features runs between ``3`` and the row-parallel ``5``."""
+    width = 16
+    return torch.nn.Sequential(
+        torch.nn.Embedding(VOCAB, width),
+        torch.nn.LayerNorm(width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 2 * width),
+        torch.nn.LayerNorm(2 * width) if norm_inside else torch.nn.ReLU(),
+        torch.nn.Linear(2 * width, width),
+        torch.nn.Linear(width, VOCAB),
+    )
 
 
 def meta_initialised_model(kind: str, **overrides: Any) -> torch.nn.Module:

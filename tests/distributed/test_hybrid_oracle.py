@@ -186,6 +186,25 @@ def test_huggingface_models_match_oracle(rank_pool_2, case):
     _assert_matches(results, bodies.oracle(1, STEPS, kind=kind, **config))
 
 
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "phi3",
+        "gemma",
+        pytest.param("mixtral", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+        pytest.param("olmoe", marks=pytest.mark.slow),
+    ],
+)
+def test_more_huggingface_decoders_in_pipeline_stages(rank_pool_2, kind):
+    """Phi-3 (through its family plan's policy), Gemma (its scaled embedding on the first stage, its head tied to it
+    on the last) and the mixtures Mixtral and Qwen2-MoE cut into two pipeline stages train like one process."""
+    pytest.importorskip("transformers")
+    strategy_kwargs = {"pp_size": 2, "num_microbatches": 2}
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, {"kind": kind}, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind=kind))
+
+
 def test_huggingface_llama_own_loss_with_vocabulary_parallel_head(rank_pool_2):
     """The untied LM head is split by vocabulary: the model's own `labels=` loss runs on sharded logits inside
     loss_parallel and trains like one process."""
@@ -200,6 +219,11 @@ HUGGING_FACE_SPLIT_GATHER = {
     "untied_own_loss": {"kind": "llama", "model_loss": True},
     "tied": {"kind": "llama", "tie_weights": True},
     "mistral_sliding_window": {"kind": "mistral"},
+    # Newly supported families (split_gather.py's layouts), under AdamW here; the zoo's SGD rows are in
+    # test_huggingface_split_gather.py.
+    "gemma_tied": {"kind": "gemma"},
+    "mixtral_whole_sequence_experts": {"kind": "mixtral"},
+    "phi3_fused_projections": {"kind": "phi3"},
 }
 
 
@@ -279,6 +303,15 @@ def test_user_plan_on_the_demo_gpt(rank_pool_2):
     plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
     results = rank_pool_2.run(bodies.hybrid_train_body, {"tp_size": 2, "policy": plan}, STEPS, timeout=300)
     _assert_matches(results, bodies.oracle(1, STEPS))
+
+
+def test_user_plan_on_an_nn_sequential(rank_pool_2):
+    """Issue 29: torch's tutorial plan on an nn.Sequential whose first Linear and LayerNorm run before the split
+    trains without declaring them, like one process (the region check follows the order modules run)."""
+    strategy_kwargs = {"tp_size": 2, "policy": bodies.SEQUENTIAL_PLAN}
+    module_kwargs = {"kind": "sequential"}
+    results = rank_pool_2.run(bodies.hybrid_train_body, strategy_kwargs, STEPS, None, module_kwargs, timeout=300)
+    _assert_matches(results, bodies.oracle(1, STEPS, kind="sequential"))
 
 
 @pytest.mark.parametrize(

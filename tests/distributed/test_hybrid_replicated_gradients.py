@@ -5,6 +5,10 @@ Qwen3's (and Gemma3's) per-head ``q_norm``/``k_norm`` stay whole on every tensor
 them to its own heads only, so each rank's gradient is a partial sum the ranks must add up. Plain SGD (no momentum)
 shows a wrong gradient scale directly in the weights; AdamW hides most of a scale error (it normalises) but not
 partial sums that differ between ranks.
+
+Issue 29: the check decides by the order modules run, not their nesting (``parallel/regions.py``), so torch's
+tutorial plan on an ``nn.Sequential`` trains with the layers before the split undeclared, and a norm between the
+split layers is still refused.
 """
 
 from __future__ import annotations
@@ -24,9 +28,20 @@ STEPS = 3
 SGD_LEARNING_RATE = 0.5
 
 
+SEQUENTIAL_PLAN = bodies.SEQUENTIAL_PLAN
+
+
+def logits(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    if isinstance(model, torch.nn.Sequential):
+        return model(inputs)
+    return model(input_ids=inputs).logits
+
+
 def build_decoder(kind: str) -> torch.nn.Module:
     """A tiny causal LM from a config (no download), 4 query heads over 2 key/value heads, untied head."""
     torch.manual_seed(bodies.MODEL_SEED)
+    if kind in ("sequential", "sequential_norm_inside"):
+        return bodies.sequential_model(norm_inside=kind == "sequential_norm_inside")
     shared: dict[str, Any] = {
         "vocab_size": bodies.VOCAB,
         "hidden_size": 32,
@@ -105,7 +120,7 @@ class DecoderModule(LightningModule):
     def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         inputs, targets = batch
         assert self.model is not None
-        return bodies.language_model_loss(self.model(input_ids=inputs).logits, targets)
+        return bodies.language_model_loss(logits(self.model, inputs), targets)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_index: int) -> None:
         self.step_losses.append(float(outputs["loss"]))
@@ -148,7 +163,7 @@ def oracle(kind: str, optimizer_name: str, dp_size: int) -> dict[str, Any]:
     for _ in range(STEPS):
         optimizer.zero_grad()
         chosen = [index for rank_indices in next(batches) for index in rank_indices]
-        loss = bodies.language_model_loss(model(input_ids=inputs[chosen]).logits, targets[chosen])
+        loss = bodies.language_model_loss(logits(model, inputs[chosen]), targets[chosen])
         loss.backward()
         losses.append(loss.item())
         optimizer.step()
@@ -187,6 +202,9 @@ CASES_2 = {
     "phi3_tp2_adamw": ("phi3", "adamw", {"tp_size": 2}),
     "granite_swa_tp2_sgd": ("granite_swa", "sgd", {"tp_size": 2}),
     "cohere_qk_norm_declared_tp2_sgd": ("cohere_qk_norm_declared", "sgd", {"tp_size": 2}),
+    # Issue 29: the LayerNorm and Linear before the split share the nn.Sequential with it, and train (no extra keys).
+    "sequential_plan_tp2_sgd": ("sequential", "sgd", {"tp_size": 2, "policy": SEQUENTIAL_PLAN}),
+    "sequential_plan_tp2_adamw": ("sequential", "adamw", {"tp_size": 2, "policy": SEQUENTIAL_PLAN}),
 }
 
 
@@ -237,3 +255,15 @@ def test_per_head_rows_left_whole_are_refused_naming_the_row_split(rank_pool_2):
         assert isinstance(message, str), "trained instead of being refused"
         assert "one row per attention head" in message, message
         assert "'layers.*.self_attn.q_norm.weight': 'colwise'" in message, message
+
+
+def test_a_norm_between_the_split_layers_of_a_sequential_is_refused_before_training(rank_pool_2):
+    """The order modules run, not their nesting: in the same nn.Sequential plan, a LayerNorm run between the
+    column- and the row-parallel layer is refused (naming it and the plan key that declares it), before it runs on
+    split features; the modules before the split are not named."""
+    strategy_kwargs = {"tp_size": 2, "policy": SEQUENTIAL_PLAN}
+    for message in rank_pool_2.run(train_body, "sequential_norm_inside", "sgd", strategy_kwargs, timeout=300):
+        assert isinstance(message, str), "trained instead of being refused"
+        assert "['model.4.weight', 'model.4.bias']" in message, message
+        assert "'model.4': 'replicated_with_grad_allreduce'" in message and "the policy= dict" in message, message
+        assert "model.1" not in message, message

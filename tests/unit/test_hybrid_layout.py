@@ -15,6 +15,7 @@ from lightning_colossal.config import (
     GradientAveraging,
     HybridConfig,
     PipelineConfig,
+    Ring,
     SplitGather,
     ZeroConfig,
 )
@@ -221,6 +222,8 @@ def test_hybrid_config_rejects_invalid_settings(arguments, message):
         ),
         (lambda: HybridConfig(sequence_parallelism=SplitGather()), "but tp_size=1"),
         (lambda: HybridConfig(sequence_parallelism=AllToAll(sp_size=1)), "needs sp_size > 1"),
+        (lambda: HybridConfig(sequence_parallelism=Ring(sp_size=1)), "'ring' needs sp_size > 1"),
+        (lambda: HybridConfig.from_flat_arguments(sequence_parallel="rings"), "'all_to_all' or 'ring'"),
     ],
 )
 def test_nested_hybrid_config_checks_the_pipeline_against_pp_size(build, message):
@@ -258,6 +261,8 @@ def test_hybrid_config_defaults_sequence_parallel_to_all_to_all_with_sp():
     split_gather = HybridConfig.from_flat_arguments(tp_size=2, sequence_parallel="split_gather")
     assert split_gather.sequence_parallelism == SplitGather()
     assert split_gather.sp_size == 1
+    ring = HybridConfig.from_flat_arguments(sp_size=4, tp_size=2, zero_stage=1, sequence_parallel="ring")
+    assert ring.sequence_parallelism == Ring(sp_size=4) and ring.sp_size == 4 and ring.model_parallel_size == 8
 
 
 def test_hybrid_config_holds_a_whole_zero_config():

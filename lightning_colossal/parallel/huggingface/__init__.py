@@ -1,10 +1,16 @@
 """The hybrid strategy's built-in policies for Hugging Face ``transformers`` models (tensor and pipeline parallelism).
 
 - ``decoders``: decoders that carry their own ``base_model_tp_plan`` / ``base_model_pp_plan`` (Llama, Qwen2/3,
-  Mistral): tensor and pipeline parallelism and split-gather sequence parallelism (``PIPELINE_MODEL_TYPES``).
+  Mistral, Gemma, the mixtures): tensor and pipeline parallelism (``PIPELINE_MODEL_TYPES``; ``PIPELINE_REFUSED``
+  says why the others have none).
+- ``split_gather``: split-gather sequence parallelism for every family whose structure fits, one
+  ``SplitGatherLayout`` each (where the residual stream is split and gathered); ``REFUSED`` says why the others
+  have none.
 - ``families``: one declarative ``FamilyPlan`` per family without a usable plan (OPT, ViT, T5, Switch, BLOOM,
   Falcon, Phi-3), applied through ``parallel/plan_policy.py``.
 - ``gpt2``, ``bert``: the policies of models whose split needs more than a plan (GPT-2's fused ``Conv1D``, BERT).
+- ``sequence``: Ulysses and ring sequence parallelism through ``transformers``' attention interface, for every family
+  whose attention goes through it; the policies above attach it after their tensor-parallel split.
 - ``base_model``: the base model inside a task model, which every policy here splits.
 
 No module imports ``transformers`` when imported: each policy imports it when asked whether it accepts a module.

@@ -9,33 +9,17 @@ Pipeline parallelism: their ``config.base_model_pp_plan`` says the base model is
 ``norm``; a stage runs the embedding (first), its layers, and the norm and the causal LM's head (last). Each stage
 recomputes the rotary position embeddings and the causal mask for its layers, as the base model's forward does once
 for all of them; the families accepted for pipelines (``PIPELINE_MODEL_TYPES``) are those whose base forward is
-exactly that (no embedding scaling, no extra per-layer inputs).
+exactly that (no embedding scaling outside the embedding module, no extra per-layer inputs; Gemma scales inside
+its embedding module), and the refusal for the others names why (``PIPELINE_REFUSED``).
 
-[Note: split-gather on Hugging Face decoders]
-These attention modules size their reshapes from their input's sequence length, so the projections cannot gather
-the sequence one by one (as the demo GPT's do). Instead the residual stream and the norms are sequence shards, and
-each attention and MLP block gathers the whole sequence once at its input (backward: reduce-scatter of the summed
-input gradient); its column-parallel projections then take that input as it is and its row-parallel projection
-reduce-scatters back to shards. The base model's own forward runs, with hooks attached ([Note: techniques attach
-as hooks] in ``parallel/attached.py``):
-
-- on the base model, before its forward: no KV cache (a given cache is refused, ``use_cache`` set to False);
-- on the first decoder layer, before it: the sequence is split. Not after the embedding: the base forward builds
-  position ids, the causal masks and the rotary embeddings from the embedding output's length, between the embedding
-  and the first layer, and they must be the whole sequence's, which attention sees. The layer's ``position_ids``
-  argument says the whole length; a hidden state of another length is a shard already, which is what the layer's
-  recomputation under activation checkpointing passes (``parallel/attached.py`` explains why it comes through this
-  hook);
-- on each layer's ``self_attn`` and ``mlp``, before them: the sequence is gathered;
-- on the final norm, after it, when the head is whole: the sequence is gathered for the head (a vocabulary-parallel
-  head gathers it itself).
+Split-gather sequence parallelism: ``split_gather.py`` ([Note: split-gather on Hugging Face decoders]) holds where
+each family's residual stream is split and gathered; this policy splits the model for tensor parallelism alone and
+hands it over.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -43,14 +27,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_colossal.distributed import differentiable
 from lightning_colossal.parallel.huggingface.base_model import base_model
-from lightning_colossal.parallel.plan_policy import PlanPolicy, is_lora_layer
-from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan, norm_parameters
+from lightning_colossal.parallel.huggingface.sequence import (
+    attach_sequence_parallelism,
+    refuse_pipeline_stages,
+    without_sequence_parallelism,
+)
+from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
+from lightning_colossal.parallel.plan_policy import PlanPolicy
+from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import (
-    ColumnParallelLinear,
     ParallelContext,
-    RowParallelLinear,
     TensorParallelPlacement,
     VocabParallelHead,
     shard_of,
@@ -60,7 +47,21 @@ from lightning_colossal.parallel.tensor_parallel import (
 EVERY_LAYER = "every_layer"
 
 #: ``config.model_type`` of the decoders whose base forward is embed -> rotary + mask -> layers -> norm.
-PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "olmoe", "gemma")
+
+#: Families with tensor parallelism but no built-in pipeline stages, and why (named in the refusal).
+PIPELINE_REFUSED = {
+    "gemma2": "its causal LM caps the logits (final_logit_softcapping) after the head, which the stages do not run",
+    "gemma3_text": "its layers take two rotary embeddings (local and global) that the stages do not build",
+    "gpt_neox": "its base model names its parts embed_in / emb_dropout / final_layer_norm and its head embed_out",
+    "opt": "its base forward adds learned positions (offset by 2) and projects in and out around the decoder layers",
+    "bloom": "its base forward builds ALiBi biases and runs an embedding LayerNorm before the layers",
+    "falcon": "its base forward builds ALiBi biases or rotary embeddings of its own before the layers",
+    "bert": "a stage cannot receive its token-type ids and padding mask",
+    "t5": "an encoder-decoder runs two layer stacks, the decoder's reading the encoder's output",
+    "switch_transformers": "an encoder-decoder runs two layer stacks, the decoder's reading the encoder's output",
+    "vit": "its embedding adds a [CLS] token and position embeddings to patches, and its classifier reads position 0",
+}
 
 
 class HuggingFacePlanPolicy(ModelPolicy):
@@ -75,6 +76,10 @@ class HuggingFacePlanPolicy(ModelPolicy):
         return isinstance(module, PreTrainedModel) and bool(getattr(config, "base_model_tp_plan", None))
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
+            plan = self.parallelize(model, without_sequence_parallelism(context))
+            attach_sequence_parallelism(model, context, plan)
+            return plan
         config = model.config  # type: ignore[attr-defined]
         base, prefix = base_model(model)
         heads = tuple(
@@ -102,43 +107,12 @@ class HuggingFacePlanPolicy(ModelPolicy):
     def _parallelize_split_gather(
         self, model: nn.Module, base: nn.Module, plan_policy: PlanPolicy, context: ParallelContext
     ) -> ParallelPlan:
-        """Megatron sequence parallelism (see [Note: split-gather on Hugging Face decoders])."""
-        model_type = getattr(model.config, "model_type", None)  # type: ignore[attr-defined]
-        if model_type not in PIPELINE_MODEL_TYPES:
-            raise ValueError(
-                f"sequence_parallel='split_gather' is built in for Hugging Face {', '.join(PIPELINE_MODEL_TYPES)} models,"
-                f" not '{model_type}': drop sequence_parallel, or pass a ModelPolicy subclass."
-            )
-        lora_layers = [name for name, module in model.named_modules() if is_lora_layer(module)]
-        if lora_layers:
-            # parallel/plan_policy.py [Note: LoRA layers under tensor parallelism]: the adapters' gradients would be partial.
-            raise ValueError(
-                f"sequence_parallel='split_gather' does not split peft LoRA layers ({lora_layers[0]!r}, ...): drop"
-                " sequence_parallel; tensor parallelism alone splits LoRA layers."
-            )
+        """Megatron sequence parallelism (``split_gather.py`` [Note: split-gather on Hugging Face decoders]): split
+        for tensor parallelism alone, then the family's layout turns it into split-gather."""
+        layout = layout_for(model)
         plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
-        for module in base.modules():
-            if isinstance(module, ColumnParallelLinear):
-                module.input_gathered = True  # gathered once per attention / MLP block below
-            elif isinstance(module, RowParallelLinear):
-                module.context = context  # reduce-scatter back to sequence shards
-        attached = plan.attached
-        attached.before_forward(base, "split-gather: no KV cache", _without_cache)
-        attached.before_forward(
-            base.layers[0], "split-gather: split the sequence", functools.partial(_split_whole_sequence, context)
-        )
-        for layer in base.layers:
-            for block in ("self_attn", "mlp"):
-                gather = functools.partial(_gather_sequence, context)
-                attached.before_forward(getattr(layer, block), "split-gather: gather the sequence", gather)
         self._split_head(model, base, context, plan)
-        plan.add_partial_gradients(norm_parameters(base))
-        if not isinstance(getattr(model, "lm_head", None), VocabParallelHead):
-            attached.after_forward(
-                base.norm,
-                "split-gather: gather the sequence for the whole head",
-                functools.partial(_gather_for_head, context),
-            )
+        attach_split_gather(model, base, layout, context, plan)
         return plan
 
     @staticmethod
@@ -168,13 +142,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
 
     # ---------------------------------------------------------------------------------------------- pipeline
     def _check_pipeline(self, model: nn.Module) -> None:
-        model_type = getattr(model.config, "model_type", None)  # type: ignore[attr-defined]
-        if model_type not in PIPELINE_MODEL_TYPES:
-            raise ValueError(
-                f"Pipeline stages for Hugging Face '{model_type}' models are not built in (only for"
-                f" {', '.join(PIPELINE_MODEL_TYPES)}): use pp_size=1 (tensor and data parallelism still apply), or"
-                " pass a ModelPolicy subclass that implements layers/stage_module/prune for it."
-            )
+        check_pipeline_family(model)
         base, _ = base_model(model)
         if base is not model and not isinstance(getattr(model, "lm_head", None), nn.Module):
             raise ValueError(
@@ -191,6 +159,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
         self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
     ) -> nn.Module:
         self._check_pipeline(model)
+        refuse_pipeline_stages(context)
         if context.split_gather:
             raise ValueError(
                 "Pipeline stages of Hugging Face models do not run split-gather sequence parallelism yet: use"
@@ -209,6 +178,19 @@ class HuggingFacePlanPolicy(ModelPolicy):
             base.norm = None
             if base is not model:
                 model.lm_head = None
+
+
+def check_pipeline_family(model: nn.Module) -> None:
+    """Refuse a family without built-in pipeline stages, naming why (``PIPELINE_REFUSED``)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in PIPELINE_MODEL_TYPES:
+        why = PIPELINE_REFUSED.get(model_type, "its base forward is not known to be embed -> layers -> norm")  # type: ignore[arg-type]
+        raise ValueError(
+            f"Pipeline stages for Hugging Face '{model_type}' models, and the layer stack activation checkpointing"
+            f" recomputes, are not built in: {why}. Use pp_size=1 and activation_checkpointing=False (tensor and data"
+            " parallelism still apply), or pass a ModelPolicy subclass that implements layers/stage_module/prune for"
+            f" it; built in for {', '.join(PIPELINE_MODEL_TYPES)}."
+        )
 
 
 class DecoderStage(nn.Module):
@@ -287,69 +269,3 @@ def _causal_masks(
     if "sliding_attention" in layer_types:
         masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments, position_ids=position_ids)
     return masks
-
-
-def _without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Before the base model: split-gather runs without a KV cache (every argument passed by name from here on)."""
-    names = [
-        name
-        for name, parameter in inspect.signature(module.forward).parameters.items()
-        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    ]
-    arguments = {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
-    # ``past_key_values``: the older name of ``cache``, still accepted by transformers.
-    if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
-        raise ValueError(
-            "sequence_parallel='split_gather' runs without a KV cache: generate with a model trained this way after"
-            " loading it without sequence parallelism."
-        )
-    arguments["use_cache"] = False
-    return (), arguments
-
-
-def _split_whole_sequence(
-    context: ParallelContext, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Before the first decoder layer: this rank's shard of the whole sequence (see [Note: split-gather on Hugging
-    Face decoders])."""
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        raise RuntimeError(
-            f"Split-gather sequence parallelism reads the sequence length from the position_ids the base model passes"
-            f" its decoder layers, and this transformers version's {type(module).__name__} got none: drop"
-            " sequence_parallel='split_gather', or install a transformers version whose base forward passes them."
-        )
-    length = position_ids.shape[-1]
-    if _hidden_states(args, kwargs).shape[1] != length:
-        return None  # a shard already: the layer recomputed under activation checkpointing
-    if length % context.tp_size != 0:
-        raise ValueError(
-            f"Split-gather sequence parallelism splits the sequence over tp_size={context.tp_size} ranks, but the batch"
-            f" has {length} tokens per sequence: pad or crop to a multiple of {context.tp_size}."
-        )
-    return _with_hidden_states(
-        args, kwargs, differentiable.split_along(_hidden_states(args, kwargs), 1, context.tp_group)
-    )
-
-
-def _gather_sequence(context: ParallelContext, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Before an attention or MLP block: the whole sequence gathered from this rank's shard (its column-parallel
-    projections share the one gather; the gather's backward reduce-scatters their summed input gradient)."""
-    whole = differentiable.gather_along(_hidden_states(args, kwargs), 1, context.tp_group)
-    return _with_hidden_states(args, kwargs, whole)
-
-
-def _gather_for_head(context: ParallelContext, module: nn.Module, args: tuple[Any, ...], output: Tensor) -> Tensor:
-    """After the final norm: a whole head runs identically on every rank, so it needs the whole sequence (and each
-    rank keeps its slice of the gradient)."""
-    return differentiable.gather_for_replicated(output, 1, context.tp_group)
-
-
-def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
-    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-
-
-def _with_hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any], hidden: Tensor) -> tuple[Any, Any]:
-    if "hidden_states" in kwargs:
-        return args, {**kwargs, "hidden_states": hidden}
-    return (hidden, *args[1:]), kwargs

@@ -28,6 +28,7 @@ head, and its gradient is summed over the ranks.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ from typing import Any
 from torch import nn
 
 from lightning_colossal.parallel.huggingface.base_model import base_model
+from lightning_colossal.parallel.huggingface.decoders import HuggingFacePlanPolicy
+from lightning_colossal.parallel.huggingface.sequence import attach_sequence_parallelism, without_sequence_parallelism
+from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
 from lightning_colossal.parallel.plan_policy import FusedColumns, PlanPolicy, module_pattern
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
@@ -65,8 +69,9 @@ def _megatron(attention: str, projections: tuple[str, str, str, str], mlp: dict[
 
 def _opt(config: Any) -> FamilyPlan:
     layers = "decoder.layers.*"
-    # fc1/fc2 sit in the decoder layer itself, which makes the layer a tensor-parallel region: its norms see the
-    # whole residual stream.
+    # fc1/fc2 sit in the decoder layer itself, so nesting puts its norms in a tensor-parallel region; they run outside
+    # it, on the whole residual stream (its shards under split-gather, where split_gather.py sums their gradients).
+    # Declared, they need no trace of the first forward (regions.py).
     mlp = {
         f"{layers}.fc1": "colwise",
         f"{layers}.fc2": "rowwise",
@@ -194,6 +199,10 @@ class FamilyPlanPolicy(ModelPolicy):
         return isinstance(module, PreTrainedModel) and model_type in FAMILY_PLANS
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
+            plan = self.parallelize(model, without_sequence_parallelism(context))
+            attach_sequence_parallelism(model, context, plan)
+            return plan
         if context.tp_size == 1:
             return ParallelPlan()  # nothing to split, and no config variant to refuse
         config = model.config  # type: ignore[attr-defined]
@@ -209,13 +218,32 @@ class FamilyPlanPolicy(ModelPolicy):
                 " tp_size=1, or pass policy={...} with its projections' names."
             ),
         )
-        plan = plan_policy.parallelize(model, context)
+        # Split-gather: split for tensor parallelism alone, then the family's layout (``split_gather.py``).
+        layout = layout_for(model) if context.split_gather else None
+        plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
         _divide_per_rank(base, family.head_attributes, context, _divide_attributes)
         _divide_per_rank(base, family.local_config, context, _divide_local_config)
         for pattern in family.per_head_biases:
             for module in _matching(base, pattern):
                 module.register_forward_pre_hook(functools.partial(_local_alibi, context), with_kwargs=True)
+        if layout is not None:
+            attach_split_gather(model, base, layout, context, plan)
         return plan
+
+    # Pipelines and activation checkpointing (both need the layer stack): Phi-3's base forward is a Llama's, so the
+    # decoders' stages run it; the other families are refused, naming why (``decoders.PIPELINE_REFUSED``). Not
+    # activation checkpointing alone for OPT, BLOOM, Falcon: their layers take the KV cache the base model makes in
+    # training too, and a recomputed layer would append its keys to it a second time.
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return HuggingFacePlanPolicy().layers(model)
+
+    def stage_module(
+        self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
+    ) -> nn.Module:
+        return HuggingFacePlanPolicy().stage_module(model, layer_indices, first, last, context)
+
+    def prune(self, model: nn.Module, keep_layers: set[int], first: bool, last: bool) -> None:
+        HuggingFacePlanPolicy().prune(model, keep_layers, first, last)
 
 
 def _matching(base: nn.Module, pattern: str) -> list[nn.Module]:

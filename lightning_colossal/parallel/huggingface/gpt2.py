@@ -1,4 +1,5 @@
-"""The policy for Hugging Face GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``, ...): tensor and pipeline parallelism.
+"""The policy for Hugging Face GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``, ...): tensor and pipeline parallelism, and
+split-gather sequence parallelism through GPT-2's layout in ``split_gather.py``.
 
 GPT-2 carries no tensor-parallel plan of its own, and its projections are ``Conv1D`` modules (weights stored
 ``[in, out]``), with q, k and v fused into one ``c_attn``. Megatron's split applies all the same: ``c_attn`` and
@@ -10,9 +11,17 @@ tied LM head stay whole (GPT-2's vocabulary, 50257, divides by no tensor-paralle
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.parallel.huggingface.sequence import (
+    attach_sequence_parallelism,
+    refuse_pipeline_stages,
+    without_sequence_parallelism,
+)
+from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
     ParallelPlan,
@@ -35,7 +44,12 @@ class GPT2Policy(ModelPolicy):
         return isinstance(module, GPT2PreTrainedModel)
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
-        refuse_sequence_parallel(context, "The GPT-2 policy")
+        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
+            plan = self.parallelize(model, without_sequence_parallelism(context))
+            attach_sequence_parallelism(model, context, plan)
+            return plan
+        if not context.split_gather:
+            refuse_sequence_parallel(context, "The GPT-2 policy")
         config = model.config  # type: ignore[attr-defined]
         if context.tp_size > 1 and getattr(config, "add_cross_attention", False):
             raise ValueError(
@@ -51,6 +65,9 @@ class GPT2Policy(ModelPolicy):
         plan = ParallelPlan()
         if context.tp_size == 1:
             return plan
+        # Split-gather: split for tensor parallelism alone, then GPT-2's layout (``split_gather.py``).
+        layout, sequence_context = (layout_for(model), context) if context.split_gather else (None, None)
+        context = dataclasses.replace(context, split_gather=False)
         for block in _transformer(model).h:
             attention = block.attn
             attention.c_attn = column_parallel(attention.c_attn, context, plan, transposed=True, fused_parts=3)
@@ -60,6 +77,8 @@ class GPT2Policy(ModelPolicy):
             attention.num_heads //= context.tp_size
             block.mlp.c_fc = column_parallel(block.mlp.c_fc, context, plan, transposed=True)
             block.mlp.c_proj = row_parallel(block.mlp.c_proj, context, plan, transposed=True)
+        if layout is not None and sequence_context is not None:
+            attach_split_gather(model, _transformer(model), layout, sequence_context, plan)
         return plan
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
@@ -68,6 +87,7 @@ class GPT2Policy(ModelPolicy):
     def stage_module(
         self, model: nn.Module, layer_indices: list[int], first: bool, last: bool, context: ParallelContext
     ) -> nn.Module:
+        refuse_pipeline_stages(context)
         transformer = _transformer(model)
         if transformer is not model and not isinstance(getattr(model, "lm_head", None), nn.Module):
             raise ValueError(
