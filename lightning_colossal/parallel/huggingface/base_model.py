@@ -6,6 +6,9 @@ plans name modules relative to that base model, so each policy finds it, and the
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 from torch import nn
 
 
@@ -15,3 +18,26 @@ def base_model(model: nn.Module) -> tuple[nn.Module, str]:
     if prefix and hasattr(model, prefix):
         return getattr(model, prefix), prefix
     return model, ""
+
+
+def arguments_by_name(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A forward pre-hook's ``args`` and ``kwargs`` by name (hooks that change arguments return them all by name)."""
+    names = [
+        name
+        for name, parameter in inspect.signature(module.forward).parameters.items()
+        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
+    return {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
+
+
+def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], technique: str) -> dict[str, Any]:
+    """Before a base model whose sequence ``technique`` splits: its arguments by name with ``use_cache=False``; a
+    given KV cache is refused (``past_key_values`` is the older name of ``cache``, still accepted by transformers)."""
+    arguments = arguments_by_name(module, args, kwargs)
+    if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
+        raise ValueError(
+            f"{technique} runs without a KV cache: generate with a model trained this way after loading it without"
+            " sequence parallelism."
+        )
+    arguments["use_cache"] = False
+    return arguments

@@ -65,7 +65,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import collectives, differentiable
-from lightning_colossal.parallel.huggingface.base_model import base_model
+from lightning_colossal.parallel.huggingface.base_model import arguments_by_name, base_model, without_cache
 from lightning_colossal.parallel.policy import ParallelPlan
 from lightning_colossal.parallel.sequence_layout import sequence_positions, shard_sequence, unshard_sequence
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
@@ -477,13 +477,7 @@ def _evaluate(mask_function: Callable[..., Any], queries: Tensor, keys: Tensor) 
 # ------------------------------------------------------------------------------------------------ hooks
 def _base_inputs(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     """Before the base model: no cache, this rank's global positions, no packed sequences."""
-    arguments = _bound(module, args, kwargs)
-    if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
-        raise ValueError(
-            "Sequence parallelism (sp_size > 1) runs without a KV cache: generate with the trained model loaded"
-            " without sequence parallelism."
-        )
-    arguments["use_cache"] = False
+    arguments = without_cache(module, args, kwargs, "Sequence parallelism (sp_size > 1)")
     tokens = arguments.get("input_ids")
     if tokens is None:
         tokens = arguments.get("inputs_embeds")
@@ -512,7 +506,7 @@ def _base_inputs(parallelism: SequenceParallelism, module: nn.Module, args: tupl
 
 def _labels(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     """Before a causal LM given labels: labels shifted over the whole sequence, the loss normalised over it."""
-    arguments = _bound(module, args, kwargs)
+    arguments = arguments_by_name(module, args, kwargs)
     labels = arguments.get("labels")
     if labels is None:
         return (), arguments
@@ -538,16 +532,6 @@ def _labels(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any
     # [Note: sequence parallelism through the attention interface]: the ranks' mean is the whole sequence's mean.
     arguments["num_items_in_batch"] = (count if given is None else given) / parallelism.size
     return (), arguments
-
-
-def _bound(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``args`` and ``kwargs`` by name (the hooks return every argument by name)."""
-    names = [
-        name
-        for name, parameter in inspect.signature(module.forward).parameters.items()
-        if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    ]
-    return {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
 
 
 def _gather_tokens(tensor: Tensor, parallelism: SequenceParallelism) -> Tensor:

@@ -40,7 +40,6 @@ Each family is one ``SplitGatherLayout``; families refused name why (``REFUSED``
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import differentiable
+from lightning_colossal.parallel.huggingface.base_model import without_cache
 from lightning_colossal.parallel.plan_policy import is_lora_layer
 from lightning_colossal.parallel.policy import ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import (
@@ -212,19 +212,7 @@ class SequenceShards:
 
     def before_base_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Before the base model: no KV cache (every argument passed by name from here on); the whole length."""
-        names = [
-            name
-            for name, parameter in inspect.signature(module.forward).parameters.items()
-            if parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-        ]
-        arguments = {**dict(zip(names[: len(args)], args, strict=True)), **kwargs}
-        # ``past_key_values``: the older name of ``cache``, still accepted by transformers.
-        if arguments.get("cache") is not None or arguments.get("past_key_values") is not None:
-            raise ValueError(
-                "sequence_parallel='split_gather' runs without a KV cache: generate with a model trained this way"
-                " after loading it without sequence parallelism."
-            )
-        arguments["use_cache"] = False
+        arguments = without_cache(module, args, kwargs, "sequence_parallel='split_gather'")
         inputs = arguments.get("input_ids")
         if inputs is None:
             inputs = arguments.get("inputs_embeds")
