@@ -121,6 +121,17 @@ def _seen_part(visible: Tensor) -> tuple[Tensor | None, Tensor | None] | None:
     return row_index, column_index
 
 
+def _seen_block(block: Tensor, visible: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor, Tensor] | None:
+    """The part of a key/value ``block`` anything sees: (query rows, key columns, its fp32 keys and values, the
+    visibility of those rows and columns); ``None`` when the block is fully masked."""
+    part = _seen_part(visible)
+    if part is None:
+        return None
+    rows, columns = part
+    seen = _take(_take(visible, rows, 3), columns, 4)
+    return rows, columns, _take(block[0], columns, 2).float(), _take(block[1], columns, 2).float(), seen
+
+
 def _take(tensor: Tensor, index: Tensor | None, dim: int) -> Tensor:
     return tensor if index is None else tensor.index_select(dim, index)
 
@@ -213,13 +224,9 @@ def _ring_forward(query: Tensor, key: Tensor, value: Tensor, layout: _Layout, sc
     ring = layout.ring
     for step in range(ring.size):
         incoming = ring.pass_on(block, _BLOCK_TAG) if step < ring.size - 1 else None
-        visible = layout.visible(ring.source(step))
-        part = _seen_part(visible)
+        part = _seen_block(block, layout.visible(ring.source(step)))
         if part is not None:
-            rows, columns = part
-            block_key = _take(block[0], columns, 2).float()
-            block_value = _take(block[1], columns, 2).float()
-            seen = _take(_take(visible, rows, 3), columns, 4)
+            rows, columns, block_key, block_value, seen = part
             block_output, block_lse = block_attention(_take(grouped, rows, 3), block_key, block_value, seen, scale)
             merged_lse = torch.logaddexp(_take(log_sum_exp, rows, 3), block_lse)
             finite = torch.where(torch.isfinite(merged_lse), merged_lse, torch.zeros_like(merged_lse))
@@ -257,13 +264,9 @@ def _ring_backward(
     for step in range(ring.size):
         incoming = ring.pass_on(block, _BLOCK_TAG) if step < ring.size - 1 else None
         block_gradient = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
-        visible = layout.visible(ring.source(step))
-        part = _seen_part(visible)
+        part = _seen_block(block, layout.visible(ring.source(step)))
         if part is not None:
-            rows, columns = part
-            block_key = _take(block[0], columns, 2).float()
-            block_value = _take(block[1], columns, 2).float()
-            seen = _take(_take(visible, rows, 3), columns, 4)
+            rows, columns, block_key, block_value, seen = part
             part_query, part_key, part_value = block_attention_backward(
                 _take(grouped, rows, 3),
                 block_key,
