@@ -215,3 +215,72 @@ def test_ep2_bf16_matches_one_process(rank_pool_2, precision):
     )
     reference = bodies.oracle("mixtral", "sgd", 2, STEPS, precision=precision)
     _assert_matches(results, reference, BF16, gradient_relative=3e-2)
+
+
+# ----------------------------------------------------------------------------------------- bytes on the wire
+def all_to_all_bytes_body() -> dict[str, Any]:
+    """Every rank: the rows and bytes its expert all-to-alls send to the other rank in one forward and backward of a
+    tiny Mixtral at ep=2, by phase, with the rows its dispatches send out (``remote_dispatched``)."""
+    import math
+
+    import torch.distributed as dist
+
+    from lightning_colossal.parallel.experts import parallelize_experts
+    from lightning_colossal.parallel.groups import ExpertGroups
+
+    rank = dist.get_rank()
+    model = bodies.build_moe("mixtral")
+    groups = ExpertGroups(
+        ep_size=2, ep_rank=rank, ep_group=dist.group.WORLD, ep_mesh=None,  # type: ignore[arg-type]
+        expert_data_group=None, expert_data_size=1, expert_data_rank=0,
+    )  # fmt: skip
+    parallelize_experts(model, groups)
+    calls: list[tuple[str, bool, int]] = []  # (phase, rows of hidden states, bytes sent to the other rank)
+    phase = ["forward"]
+    original = dist.all_to_all_single
+
+    def counting(output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, **kwargs: Any):
+        splits = input_split_sizes or [input.shape[0] // 2] * 2
+        row_bytes = math.prod(input.shape[1:]) * input.element_size()
+        calls.append((phase[0], input.is_floating_point(), splits[1 - rank] * row_bytes))
+        return original(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        tokens = torch.randint(
+            0, bodies.VOCAB, (bodies.BATCH, bodies.SEQUENCE), generator=torch.Generator().manual_seed(rank)
+        )
+        loss = model(input_ids=tokens, labels=tokens).loss
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        dist.all_to_all_single = original
+    forward_rows = [sent for where, rows, sent in calls if where == "forward" and rows]
+    return {
+        "forward": sum(forward_rows),
+        "backward": sum(sent for where, rows, sent in calls if where == "backward" and rows),
+        "dispatched": sum(forward_rows[0::2]),  # per layer: the dispatch, then the combine
+        "hidden": model.config.hidden_size,
+        "tokens": tokens.numel(),
+        "layers": model.config.num_hidden_layers,
+    }
+
+
+def test_the_all_to_all_bytes_follow_the_formula(rank_pool_2):
+    from lightning_colossal.planning.experts import all_to_all_bytes_per_step
+
+    ranks = rank_pool_2.run(all_to_all_bytes_body, timeout=120)
+    for rank in ranks:
+        # The backward sends what the forward did (the reverse of each exchange), and nothing else.
+        assert rank["backward"] == rank["forward"] > 0
+    # Over the ranks, what the combines send back is what the dispatches sent out: the forward moves 2x the dispatched.
+    dispatched = sum(rank["dispatched"] for rank in ranks)
+    assert sum(rank["forward"] for rank in ranks) == 2 * dispatched
+    # The planner's formula at balanced routing (half the rows leave the rank at ep=2), scaled to the routing's
+    # measured share, gives the same bytes.
+    first = ranks[0]
+    expected_dispatched_bytes = first["tokens"] * 2 * first["hidden"] * 4 * first["layers"] / 2  # per rank, balanced
+    formula = all_to_all_bytes_per_step(first["tokens"], 2, first["hidden"], 4, 2, first["layers"]).rows
+    measured_share = dispatched / (len(ranks) * expected_dispatched_bytes)
+    total = sum(rank["forward"] + rank["backward"] for rank in ranks)
+    assert total == pytest.approx(len(ranks) * formula * measured_share, rel=1e-9)
