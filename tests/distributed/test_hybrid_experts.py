@@ -18,8 +18,15 @@ pytest.importorskip("transformers")
 
 STEPS = 3
 EXACT = {"atol": 2e-5, "rtol": 1e-4}
-# Four ranks sum the expert gradients in another order; AdamW turns that rounding into ~3e-5 on near-zero gradients.
-FOUR_RANKS = {"atol": 1e-4, "rtol": 1e-4}
+# Ranks sum the expert gradients in another order than one process (and the oracle may run on more threads than the
+# ranks' one); AdamW turns that rounding of near-zero gradients into a few 1e-5 of a weight. SGD rows keep EXACT: they
+# are the ones that see a wrong gradient scale, which AdamW hides.
+ADAMW = {"atol": 1e-4, "rtol": 1e-4}
+FOUR_RANKS = ADAMW
+
+
+def _tolerance(optimizer: str) -> dict[str, float]:
+    return ADAMW if optimizer == "adamw" else EXACT
 
 
 def _assert_matches(
@@ -85,7 +92,7 @@ def test_ep2_matches_one_process(rank_pool_2, case):
     kwargs = {"ep_size": 2, "zero_stage": zero_stage}
     results = rank_pool_2.run(bodies.expert_train_body, kwargs, family, optimizer, STEPS, timeout=300)
     reference = bodies.oracle(family, optimizer, 2, STEPS)
-    _assert_matches(results, reference, EXACT)
+    _assert_matches(results, reference, _tolerance(optimizer))
     _assert_experts_split(results, reference, 2)
 
 
@@ -98,7 +105,7 @@ def test_ep2_families_match_one_process(rank_pool_2, case):
     reference = bodies.oracle(family, optimizer, 2, STEPS)
     if zero_stage == 2:  # ZeRO-2 keeps no whole .grad, only reduce-scattered rows; expert slices it leaves whole
         reference["gradients"] = {name: value for name, value in reference["gradients"].items() if ".experts." in name}
-    _assert_matches(results, reference, EXACT)
+    _assert_matches(results, reference, _tolerance(optimizer))
 
 
 @pytest.mark.slow
@@ -106,7 +113,7 @@ def test_ep2_with_activation_checkpointing_matches_one_process(rank_pool_2):
     """The recomputation in backward runs each layer's dispatch and combine again, on every rank in the same order."""
     kwargs = {"ep_size": 2, "activation_checkpointing": True}
     results = rank_pool_2.run(bodies.expert_train_body, kwargs, "mixtral", "adamw", STEPS, timeout=300)
-    _assert_matches(results, bodies.oracle("mixtral", "adamw", 2, STEPS), EXACT)
+    _assert_matches(results, bodies.oracle("mixtral", "adamw", 2, STEPS), ADAMW)
 
 
 def test_experts_without_tokens_get_zero_gradients(rank_pool_2):
