@@ -199,17 +199,12 @@ def model_config(arguments: argparse.Namespace, layers: int) -> dict[str, Any]:
     }
 
 
-def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int) -> int:
-    """Device bytes the planner's formulas give rank 0 (the fullest) at ``layers`` blocks: only a bracket for the
-    runs, which decide. Gemini adds a working set of two gathered chunks and one fp32 full gradient of the chunk size
-    the runs use; automatic placement adds the activations it will budget for and keeps 10% headroom
-    (``steady_compute_cap_ratio``), so its figure is what B must be, not its model state."""
-    from lightning_colossal.planning import OPTIMIZERS, Training, Workload, activation_estimate, model_state
-    from lightning_colossal.planning.settings import offload_settings, standard_settings
+def _planner_model(arguments: argparse.Namespace, layers: int) -> Any:
+    """The planner's shape of the demo GPT at ``layers`` blocks (``model_config``'s settings)."""
     from lightning_colossal.planning.sources import DemoOverrides, demo_model
 
     config = model_config(arguments, layers)
-    model = demo_model(
+    return demo_model(
         DemoOverrides(
             layers=layers,
             hidden=config["embed_dim"],
@@ -218,6 +213,17 @@ def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Names
             block_size=config["block_size"],
         )
     )
+
+
+def predicted_device_bytes(strategy: CapacityStrategy, arguments: argparse.Namespace, layers: int) -> int:
+    """Device bytes the planner's formulas give rank 0 (the fullest) at ``layers`` blocks: only a bracket for the
+    runs, which decide. Gemini adds a working set of two gathered chunks and one fp32 full gradient of the chunk size
+    the runs use; automatic placement adds the activations it will budget for and keeps 10% headroom
+    (``steady_compute_cap_ratio``), so its figure is what B must be, not its model state."""
+    from lightning_colossal.planning import OPTIMIZERS, Training, Workload, activation_estimate, model_state
+    from lightning_colossal.planning.settings import offload_settings, standard_settings
+
+    model = _planner_model(arguments, layers)
     training = Training("32-true", OPTIMIZERS["adamw"], device_type="cpu")
     settings = {setting.label: setting for setting in [*standard_settings(), *offload_settings()]}
     device = model_state(
@@ -254,18 +260,7 @@ def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespa
     4 KiB-aligned). 0 for other rows."""
     if not strategy.disk:
         return 0
-    from lightning_colossal.planning.sources import DemoOverrides, demo_model
-
-    config = model_config(arguments, layers)
-    model = demo_model(
-        DemoOverrides(
-            layers=layers,
-            hidden=config["embed_dim"],
-            heads=config["num_heads"],
-            vocab=config["vocab_size"],
-            block_size=config["block_size"],
-        )
-    )
+    model = _planner_model(arguments, layers)
     from lightning_colossal.disk.optimizer_state import staging_bytes_for
 
     chunks = math.ceil(model.numel / arguments.chunk_numel)

@@ -105,15 +105,20 @@ def _sequential(tier: TierFile, buffer: torch.Tensor, total: int, transfer: int,
     """Seconds to move ``total`` bytes at offset 0.. in calls of ``transfer`` bytes (each split by the tier into
     ``BLOCK_BYTES`` pieces); a write ends with ``fsync`` (what ``lightning_colossal.disk.bandwidth`` does)."""
     start = time.perf_counter()
+    _move(tier, buffer, total, transfer, writing)
+    if writing:
+        os.fsync(tier._buffered)
+    return time.perf_counter() - start
+
+
+def _move(tier: TierFile, buffer: torch.Tensor, total: int, transfer: int, writing: bool) -> None:
+    """``total`` bytes at offset 0.. through ``buffer``, in synchronous calls of ``transfer`` bytes."""
     for offset in range(0, total, transfer):
         piece = buffer[: min(transfer, total - offset)]
         if writing:
             tier.write_now(offset, piece)
         else:
             tier.read_now(offset, piece)
-    if writing:
-        os.fsync(tier._buffered)
-    return time.perf_counter() - start
 
 
 def _duplex(
@@ -125,12 +130,7 @@ def _duplex(
 
     def run(name: str, tier: TierFile, buffer: torch.Tensor, writing: bool) -> None:
         start = time.perf_counter()
-        for offset in range(0, total, transfer):
-            piece = buffer[: min(transfer, total - offset)]
-            if writing:
-                tier.write_now(offset, piece)
-            else:
-                tier.read_now(offset, piece)
+        _move(tier, buffer, total, transfer, writing)
         times[name] = time.perf_counter() - start
 
     start = time.perf_counter()
