@@ -41,6 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.distributed import device as devices
+from lightning_colossal.engine_parts.shown_techniques import ACTIVATION_CHECKPOINTING, show, unshow
 from lightning_colossal.fsdp.exchange import use_direct_exchange
 
 
@@ -123,6 +124,7 @@ def shard_model(
             else:
                 # The composable form keeps parameter names unchanged (a wrapper module would rename every key).
                 checkpoint(block)
+            show(block, ACTIVATION_CHECKPOINTING)
         shard(block)
     return [shard(root) for root in roots]
 
@@ -225,7 +227,9 @@ def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Param
             submodule.__dict__.pop(marker, None)
         if _applied_composable_apis(submodule).get("checkpoint") is not None:
             # Outside the strategy the module behaves as built: no recomputation in backward.
-            checkpoint.state(submodule).enable_hook = False
+            if checkpoint.state(submodule).enable_hook:
+                checkpoint.state(submodule).enable_hook = False
+                unshow(submodule, ACTIVATION_CHECKPOINTING)
     return replaced
 
 

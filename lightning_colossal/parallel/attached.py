@@ -9,6 +9,9 @@ of a library's forward after a library upgrade instead of the library's own. Wit
 parameter name stays the model's, and ``AttachedTechniques.remove()`` gives back the module as it was.
 ``tests/unit/test_layering.py`` refuses any assignment to an attribute named ``forward`` in the package.
 
+Hooks alone are invisible in ``print(model)``, so every technique is listed there too
+(``engine_parts/shown_techniques.py`` [Note: attached techniques show in print(model)]).
+
 One consequence shapes the hooks: the composable checkpoint recomputes a layer in backward by calling the layer
 again, with the arguments its own pre-hook received, so every other forward pre-hook on that layer runs a second
 time, and one attached before the checkpoint sees the arguments it already transformed. A pre-hook on a layer that
@@ -26,6 +29,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 
+from lightning_colossal.engine_parts.shown_techniques import ACTIVATION_CHECKPOINTING, show, unshow
+
 
 class AttachedTechniques:
     """The hooks attached to a model's modules, each under the technique it belongs to.
@@ -37,20 +42,33 @@ class AttachedTechniques:
     def __init__(self) -> None:
         self._attached: list[tuple[nn.Module, str, Callable[[], None]]] = []
 
-    def before_forward(self, module: nn.Module, technique: str, hook: Callable[..., Any]) -> None:
-        """Run ``hook(module, args, kwargs)`` before ``module``'s forward; it may return new ``(args, kwargs)``."""
+    def before_forward(self, module: nn.Module, technique: str, hook: Callable[..., Any], shown: bool = True) -> None:
+        """Run ``hook(module, args, kwargs)`` before ``module``'s forward; it may return new ``(args, kwargs)``.
+        ``shown=False``: a passing check's hook, not a technique, left out of ``print(model)``."""
         handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-        self._attached.append((module, technique, handle.remove))
+        self._add(module, technique, handle.remove, shown)
 
-    def after_forward(self, module: nn.Module, technique: str, hook: Callable[..., Any]) -> None:
+    def after_forward(self, module: nn.Module, technique: str, hook: Callable[..., Any], shown: bool = True) -> None:
         """Run ``hook(module, args, output)`` after ``module``'s forward; it may return a new output."""
         handle = module.register_forward_hook(hook)
-        self._attached.append((module, technique, handle.remove))
+        self._add(module, technique, handle.remove, shown)
 
     def changed(self, module: nn.Module, technique: str, undo: Callable[[], None]) -> None:
         """A change to ``module`` that is no hook (a setting swapped, e.g. ``config._attn_implementation`` for
         sequence parallelism of Hugging Face models), listed with the hooks; ``undo()`` restores it on removal."""
-        self._attached.append((module, technique, undo))
+        self._add(module, technique, undo, shown=True)
+
+    def _add(self, module: nn.Module, technique: str, undo: Callable[[], None], shown: bool) -> None:
+        if not shown:
+            self._attached.append((module, technique, undo))
+            return
+        show(module, technique)
+
+        def remove() -> None:
+            undo()
+            unshow(module, technique)
+
+        self._attached.append((module, technique, remove))
 
     def recompute_in_backward(self, module: nn.Module) -> None:
         """Activation checkpointing of ``module`` with torch's composable ``checkpoint``: its activations are
@@ -74,7 +92,7 @@ class AttachedTechniques:
                 module._forward_hooks_always_called.pop(key, None)
             _forget_checkpoint(module)
 
-        self._attached.append((module, "activation checkpointing", remove))
+        self._add(module, ACTIVATION_CHECKPOINTING, remove, shown=True)
 
     def extend(self, other: AttachedTechniques | None) -> None:
         """Take over ``other``'s hooks (removing ``self`` then removes them too). ``None``: nothing to take over

@@ -84,17 +84,21 @@ class RegionTrace:
         self.attached = AttachedTechniques()
         # A forward that ends on a column-parallel layer (its output read by the loss) leaves a region open: the
         # model's next forward starts outside (when the model itself is called, not only its parts).
-        self.attached.before_forward(model, "region check: a forward starts", self._region_closes)
+        self.attached.before_forward(model, "region check: a forward starts", self._region_closes, shown=False)
         for module in model.modules():
             if isinstance(module, COLUMN_LAYERS):
-                self.attached.after_forward(module, "region check: a region opens", self._region_opens)
+                self.attached.after_forward(module, "region check: a region opens", self._region_opens, shown=False)
             elif isinstance(module, RowParallelLinear):
-                self.attached.before_forward(module, "region check: a region closes", self._region_closes)
+                self.attached.before_forward(module, "region check: a region closes", self._region_closes, shown=False)
             owned = [id(parameter) for parameter in module.parameters(recurse=False) if id(parameter) in candidates]
             if owned:
                 self._owned[id(module)] = owned
-                self.attached.before_forward(module, "region check: a candidate runs", self._candidate_called)
-                self.attached.after_forward(module, "region check: a candidate returns", self._candidate_returned)
+                self.attached.before_forward(
+                    module, "region check: a candidate runs", self._candidate_called, shown=False
+                )
+                self.attached.after_forward(
+                    module, "region check: a candidate returns", self._candidate_returned, shown=False
+                )
 
     def _region_opens(self, module: nn.Module, args: Any, output: Any) -> None:
         self._open = True

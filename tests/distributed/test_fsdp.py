@@ -228,6 +228,7 @@ def gpt_body(strategy_name: str, activation_checkpointing: bool) -> dict[str, An
         "parameters": float_state(module),
         "fsdp_modules": sorted(name for name, child in module.named_modules() if isinstance(child, FSDPModule)),
         "mlp_calls": counter.calls,
+        "printed_block": repr(module.model.blocks[0]).splitlines(),
     }
 
 
@@ -239,6 +240,8 @@ def test_activation_checkpointing_on_auto_detected_blocks_trains_like_ddp(rank_p
         # The demo GPT's ``Block``s were found without a policy and sharded one by one, and the model as a root.
         assert {"model", "model.blocks.0", "model.blocks.1"} <= set(result["fsdp_modules"]), result["fsdp_modules"]
         assert result["mlp_calls"] == 12, "each block's forward must run again in backward (recomputation)"
+        # print(model) shows FSDP's class and the checkpointing attached to the block.
+        assert result["printed_block"][:2] == ["FSDPBlock(", "  attached: activation checkpointing"]
         assert set(result["parameters"]) == set(reference["parameters"]), "the wrappers must not rename parameters"
         torch.testing.assert_close(result["parameters"], reference["parameters"], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[1]["parameters"], results[0]["parameters"], rtol=0, atol=0)

@@ -87,9 +87,12 @@ def refit_oracle(world_size: int, second_fit_epoch: int) -> OracleResult:
 
 def refit_body(spec: StrategySpec, same_trainer: bool) -> dict[str, Any]:
     module = new_module(batch_size=BATCH_SIZE)
+    printed = repr(module)
     world_size = torch.distributed.get_world_size()
     trainer = quiet_trainer(strategy=build_strategy(spec), devices=world_size, max_epochs=1)
     trainer.fit(module)
+    # Given back as built: classes, techniques listed in print(module) (activation checkpointing) and all.
+    printed_between_fits = repr(module)
     if same_trainer:
         trainer.fit_loop.max_epochs = 2
     else:
@@ -99,6 +102,7 @@ def refit_body(spec: StrategySpec, same_trainer: bool) -> dict[str, Any]:
         "losses": module.micro_batch_losses,
         "parameters": float_state(module),
         "global_step": trainer.global_step,
+        "printed": (printed_between_fits, repr(module), printed),
     }
 
 
@@ -114,6 +118,8 @@ def test_second_fit_on_the_same_module_trains_on(rank_pool_2, name, same_trainer
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(oracle.step_losses), **FP32)
     for result in results:
         torch.testing.assert_close(result["parameters"], oracle.parameters, **FP32)
+        between_fits, after, as_built = result["printed"]
+        assert between_fits == after == as_built
 
 
 def test_second_fit_with_weights_kept_sharded_trains_on(rank_pool_2):

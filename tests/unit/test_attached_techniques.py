@@ -63,8 +63,12 @@ def test_gpt_techniques_are_hooks_that_leave_the_model_as_printed_and_come_off()
     policy = GPTPolicy()
     plan = policy.parallelize(model, ALONE_SPLIT_GATHER)
     recomputed = policy.wrap_layers_for_recomputation(model)
-    # No wrapper module: the model prints and names its parameters as before, and its own forward runs.
-    assert repr(model) == printed
+    # No wrapper module: parameters keep their names and the model's own forward runs; print(model) names what was
+    # attached on the modules carrying it, and class names and isinstance stay the model's.
+    assert repr(model) != printed
+    assert "attached: activation checkpointing" in repr(model.blocks[0]).splitlines()[1]
+    assert "attached: sequence parallelism: this rank's positions" in repr(model.position_embedding)
+    assert type(model.blocks[0]).__name__ == "Block" and isinstance(model.blocks[0], type(_gpt().blocks[0]))
     assert [name for name, _ in model.named_parameters()] == names
     assert "forward" not in vars(model) and not any("forward" in vars(module) for module in model.modules())
     # What was attached where, in words.
@@ -77,6 +81,9 @@ def test_gpt_techniques_are_hooks_that_leave_the_model_as_printed_and_come_off()
     plan.attached.remove()
     assert len(plan.attached) == len(recomputed) == 0
     assert _hooked_modules(model) == []
+    # Every module has its own class back and prints as before.
+    assert repr(model) == printed
+    assert {type(module) for module in model.modules()} == {type(module) for module in _gpt().modules()}
     _assert_same_run(_output_and_gradients(model, inputs), before)
     # Taken off completely: torch's composable checkpoint accepts the layers again.
     again = policy.wrap_layers_for_recomputation(model)
@@ -144,8 +151,13 @@ def test_huggingface_split_gather_runs_the_library_forward_with_hooks_that_come_
     policy = HuggingFacePlanPolicy()
     plan = policy.parallelize(model, ALONE_SPLIT_GATHER)
     recomputed = policy.wrap_layers_for_recomputation(model)
-    assert repr(model) == repr(reference)
-    assert type(model.model).forward is base_forward and "forward" not in vars(model.model)
+    assert "attached: split-gather: split the sequence, activation checkpointing" in repr(model.model.layers[0])
+    assert "attached: split-gather: no KV cache" in repr(model.model).splitlines()[1]
+    assert (
+        type(model.model).__name__ == "LlamaModel"
+        and type(model.model).forward is base_forward
+        and "forward" not in vars(model.model)
+    )
     assert plan.attached.techniques_on(model.model.layers[0]) == ["split-gather: split the sequence"]
     assert plan.attached.techniques_on(model.model.layers[1].self_attn) == ["split-gather: gather the sequence"]
     assert plan.attached.techniques_on(model.model.norm) == ["split-gather: gather the sequence for the whole head"]
@@ -160,4 +172,5 @@ def test_huggingface_split_gather_runs_the_library_forward_with_hooks_that_come_
     recomputed.remove()
     plan.attached.remove()
     assert _hooked_modules(model) == _hooked_modules(reference)
+    assert repr(model) == repr(reference)
     _assert_same_run(_output_and_gradients(model, inputs), before)

@@ -41,3 +41,10 @@ def without_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         )
     arguments["use_cache"] = False
     return arguments
+
+
+def no_cache(mask_function: Any) -> dict[str, None]:
+    """The keyword that gives a ``transformers.masking_utils`` mask function no KV cache, named as the installed
+    version names it (``past_key_values`` became ``cache``)."""
+    parameters = inspect.signature(mask_function).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": None}

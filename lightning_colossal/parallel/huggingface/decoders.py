@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_colossal.parallel.huggingface.base_model import base_model
+from lightning_colossal.parallel.huggingface.base_model import base_model, no_cache
 from lightning_colossal.parallel.huggingface.sequence import (
     attach_sequence_parallelism,
     refuse_pipeline_stages,
@@ -259,7 +259,8 @@ def _causal_masks(
     ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask, "past_key_values": None}
+    arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask}
+    arguments.update(no_cache(create_causal_mask))
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         windowed = getattr(config, "sliding_window", None) is not None

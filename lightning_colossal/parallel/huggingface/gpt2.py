@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.parallel.huggingface.base_model import no_cache
 from lightning_colossal.parallel.huggingface.sequence import (
     attach_sequence_parallelism,
     refuse_pipeline_stages,
@@ -137,8 +138,8 @@ class GPT2Stage(nn.Module):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=None,
-            past_key_values=None,
             position_ids=position_ids,
+            **no_cache(create_causal_mask),
         )
         for layer in self.layers:
             output = layer(hidden, attention_mask=mask)
