@@ -252,7 +252,7 @@ class GeminiEngine(EngineDiskTier):
         )
 
     def _model_bytes_on_device(self) -> int:
-        return self.manager.chunk_bytes(self._optimizer_state()).compute
+        return self.manager.compute_bytes(self._optimizer_state())
 
     def _optimizer_state(self) -> dict[Any, Any] | None:
         return None if self.optimizer is None else self.optimizer.state
