@@ -23,10 +23,17 @@ handle launched and not waited for yet is not recorded: a rank blocks only insid
 Reading from another thread: the record is one tuple replaced by a single assignment, and the labels are copied
 with ``tuple(list)``; both are atomic under the GIL, so a reader sees a whole record, possibly an instant stale.
 Formatting a label may race with the engine changing what it refers to; such a label reads "<unavailable: ...>".
+
+Each thread keeps its own record and labels (``_Records``, a ``threading.local``): a background checkpoint save
+runs collectives on its own thread (``checkpoint/async_save.py``), and with one record per process its collectives
+replaced the training thread's record, and restored, on the way out, whatever the training thread's record had been
+when they started, so a hang report could name a collective the training thread had long left. ``current()``
+reports the main thread's, which is the one that trains.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,8 +57,31 @@ Label = tuple[str | Callable[..., str], tuple[Any, ...]]
 # (name, group, tensor, monotonic start, labels at launch or None for the live ones, peer within the group or None)
 _Entry = tuple[str, Any, "torch.Tensor | None", float, "tuple[Label, ...] | None", "int | None"]
 
-_current: _Entry | None = None
-_labels: list[Label] = []
+
+class _Records:
+    """One thread's collective in flight and activity labels."""
+
+    __slots__ = ("current", "labels")
+
+    def __init__(self) -> None:
+        self.current: _Entry | None = None
+        self.labels: list[Label] = []
+
+
+class _ThisThread(threading.local):
+    """``records``: the calling thread's ``_Records``, made on its first use. (A ``threading.local`` attribute
+    read from another thread reads that thread's own value, so the main thread's records are kept aside as an
+    object for ``current()``.)"""
+
+    def __init__(self) -> None:
+        global _main_records
+        self.records = _Records()
+        if threading.current_thread() is threading.main_thread():
+            _main_records = self.records
+
+
+_main_records: _Records | None = None
+_this_thread = _ThisThread()
 
 
 class Collective:
@@ -79,15 +109,14 @@ class Collective:
         self._previous: _Entry | None = None
 
     def __enter__(self) -> None:
-        global _current
-        self._previous = _current
-        _current = self._entry
+        records = _this_thread.records
+        self._previous = records.current
+        records.current = self._entry
 
     def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> None:
-        global _current
         if error is not None:
             _attach(error, self._entry)
-        _current = self._previous
+        _this_thread.records.current = self._previous
 
 
 class Activity:
@@ -103,10 +132,10 @@ class Activity:
         self._label: Label = (label, arguments)
 
     def __enter__(self) -> None:
-        _labels.append(self._label)
+        _this_thread.records.labels.append(self._label)
 
     def __exit__(self, *exception_info: Any) -> None:
-        _labels.pop()
+        _this_thread.records.labels.pop()
 
 
 class RecordedWork:
@@ -127,7 +156,7 @@ class RecordedWork:
         self._name = name
         self._group = group
         self._tensor = tensor
-        self._labels = tuple(_labels)
+        self._labels = tuple(_this_thread.records.labels)
         self._then = then
 
     def wait(self) -> bool:
@@ -186,9 +215,13 @@ class CollectiveRecord:
 
 
 def current() -> CollectiveRecord | None:
-    """The collective this process is in right now, frozen (``None`` outside one); callable from any thread."""
-    entry = _current  # one read: the main thread may replace it at any moment
-    return None if entry is None else _freeze(entry)
+    """The collective the training (main) thread is in right now, frozen (``None`` outside one); callable from any
+    thread."""
+    records = _main_records
+    if records is None:
+        return None
+    entry = records.current  # one read: the main thread may replace it at any moment
+    return None if entry is None else _freeze(entry, records.labels)
 
 
 def record_of(error: BaseException) -> CollectiveRecord | None:
@@ -217,12 +250,14 @@ def _attach(error: BaseException, entry: _Entry) -> None:
     if getattr(error, RECORD_ATTRIBUTE, None) is not None:
         return
     try:
-        setattr(error, RECORD_ATTRIBUTE, _freeze(entry))
+        setattr(error, RECORD_ATTRIBUTE, _freeze(entry, _this_thread.records.labels))
     except Exception:  # an exception type that refuses attributes keeps its own message only
         pass
 
 
-def _freeze(entry: _Entry) -> CollectiveRecord:
+def _freeze(entry: _Entry, live_labels: list[Label]) -> CollectiveRecord:
+    """``entry`` as plain values; ``live_labels``: the labels of the thread it belongs to (for an entry that
+    reports the live ones)."""
     name, group, tensor, started, labels, peer = entry
     seconds = time.monotonic() - started
     shape = dtype = None
@@ -231,7 +266,7 @@ def _freeze(entry: _Entry) -> CollectiveRecord:
         shape = tuple(tensor.shape)
         dtype = str(tensor.dtype).removeprefix("torch.")
         nbytes = tensor.numel() * tensor.element_size()
-    activities = tuple(_format(label) for label in (tuple(_labels) if labels is None else labels))
+    activities = tuple(_format(label) for label in (tuple(live_labels) if labels is None else labels))
     return CollectiveRecord(name, _group_ranks(group), shape, dtype, nbytes, seconds, activities, peer)
 
 

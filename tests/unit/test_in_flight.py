@@ -26,9 +26,9 @@ from lightning_colossal.strategies.failures import _where_it_failed
 
 @pytest.fixture(autouse=True)
 def nothing_in_flight():
-    assert in_flight.current() is None and in_flight._labels == []
+    assert in_flight.current() is None and in_flight._this_thread.records.labels == []
     yield
-    assert in_flight.current() is None and in_flight._labels == []
+    assert in_flight.current() is None and in_flight._this_thread.records.labels == []
 
 
 def test_a_collective_is_recorded_while_it_runs_and_cleared_after():
@@ -94,7 +94,7 @@ def test_activities_nest_and_are_formatted_only_when_reported():
         assert calls == []  # entering formats nothing
         with Collective("recv", peer=0):
             record = in_flight.current()
-        assert in_flight._labels[-1][0] is describe
+        assert in_flight._this_thread.records.labels[-1][0] is describe
     assert calls == ["chunk 2"]
     assert record.activities == ("pipeline stage 1, micro-batch 3", "gathering chunk 2")
     assert "while pipeline stage 1, micro-batch 3 > gathering chunk 2" in record.describe()
@@ -298,3 +298,29 @@ def test_an_old_style_heartbeat_without_a_collective_is_still_read():
     watchdog.stop()
     assert "(its process (pid" in report and "it was at step 5), seen by rank 0" in report
     assert f"rank 0 was {in_flight.OUTSIDE}" in report
+
+
+def test_a_collective_on_another_thread_leaves_the_training_threads_record_alone():
+    # A background checkpoint save's collectives run on their own thread: they must neither show as the training
+    # thread's collective nor, on their way out, put back a record the training thread has left since.
+    entered, main_left = threading.Event(), threading.Event()
+    seen_on_the_thread: list[str | None] = []
+
+    def background() -> None:
+        with Activity("saving a checkpoint"), Collective("barrier"):
+            entered.set()
+            main_left.wait(5)
+            record = in_flight.current()
+            seen_on_the_thread.append(None if record is None else record.name)
+
+    with Activity("reducing bucket {}", 2), Collective("all_reduce", None, torch.zeros(2)):
+        thread = threading.Thread(target=background)
+        thread.start()
+        assert entered.wait(5)
+        record = in_flight.current()
+        assert record.name == "all_reduce" and record.activities == ("reducing bucket 2",)
+    main_left.set()
+    thread.join(5)
+    # The training thread left its collective while the background one was still in its own: nothing in flight.
+    assert in_flight.current() is None
+    assert seen_on_the_thread == [None], "current() reports the training (main) thread's collective"
