@@ -229,12 +229,16 @@ class ColossalFSDPStrategy(ColossalStrategy):
             or not self._roots
             or self.lightning_module is None
         ):
-            # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do).
+            # Skip the base teardown's .cpu() on sharded parameters (as Lightning's FSDP strategies do), but not
+            # its wait for the checkpoint still being written in the background, first, while the watchdog runs.
             assert self.cluster_environment is not None and self.accelerator is not None
+            error = self._finish_background_save(self._failure_being_torn_down())
             self._finish_watchdog()
             self.cluster_environment.teardown()
             self.precision_plugin.teardown()
             self.accelerator.teardown()
+            if error is not None:
+                raise error
             return
         # Unshard into full plain parameters and point the optimizers at them (a collective).
         give_back_plain_weights(self.lightning_module, self.optimizers, self._names_before_sharding)

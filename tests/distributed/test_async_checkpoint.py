@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_colossal import ColossalDDPStrategy, GeminiStrategy, ZeroStrategy
+from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, GeminiStrategy, ZeroStrategy
 from lightning_colossal.checkpoint import async_save
 from lightning_colossal.checkpoint.layout import leftovers_of_interrupted_save, locate_checkpoint, shards_root
 from lightning_colossal.checkpoint.sharded import load_file_weights, read_sharded, remove_checkpoint, save_sharded
@@ -301,9 +301,10 @@ def test_a_removal_waits_for_the_commit_and_a_failed_save_removes_nothing(rank_p
 
 
 # --------------------------------------------------------------------------------- failures
-def failing_save_body(directory: str, when: str) -> dict[str, Any]:
+def failing_save_body(directory: str, when: str, strategy_name: str = "ddp") -> dict[str, Any]:
     """Save ``last.ckpt`` after step 2; save it again after step 4 with rank 1's writer failing; then either save
-    once more after step 6 (``when="next_save"``) or end the fit (``when="end_of_fit"``)."""
+    once more after step 6 (``when="next_save"``) or end the fit (``when="end_of_fit"``). ``strategy_name``
+    ``"fsdp_kept_sharded"``: FSDP keeping its weights sharded, whose teardown takes a path of its own."""
     path = f"{directory}/last.ckpt"
     failing = threading.Event()
     facts: dict[str, Any] = {}
@@ -324,12 +325,25 @@ def failing_save_body(directory: str, when: str) -> dict[str, Any]:
         failing.set()
         save(trainer, module)
 
-    actions = {2: save_first, 4: save_failing, 6: save} if when == "next_save" else {2: save_first, 4: save_failing}
+    def save_failing_then_fail(trainer: Any, module: Any) -> None:
+        save_failing(trainer, module)
+        raise RuntimeError("the run failed while a save was being written")
+
+    actions = {
+        "next_save": {2: save_first, 4: save_failing, 6: save},
+        "end_of_fit": {2: save_first, 4: save_failing},
+        "run_fails": {2: save_first, 4: save_failing_then_fail},
+    }[when]
     module = new_module(with_scheduler=True)
+    strategy: Any = (
+        ColossalDDPStrategy(async_checkpoint=True)
+        if strategy_name == "ddp"
+        else ColossalFSDPStrategy(async_checkpoint=True, keep_weights_sharded=True)
+    )
     trainer = quiet_trainer(
-        strategy=ColossalDDPStrategy(async_checkpoint=True),
+        strategy=strategy,
         devices=torch.distributed.get_world_size(),
-        max_steps=8 if when == "next_save" else 4,
+        max_steps={"next_save": 8, "end_of_fit": 4, "run_fails": 6}[when],
         callbacks=[AtSteps(actions)],
     )
     with writer_patched(fail_on_rank_1):
@@ -338,6 +352,10 @@ def failing_save_body(directory: str, when: str) -> dict[str, Any]:
             facts["error"] = None
         except async_save.BackgroundSaveError as error:
             facts["error"] = str(error)
+            facts["error_step"] = trainer.global_step
+        except RuntimeError as error:
+            # The run's own error is raised; the failed save is a note on it (teardown waited for the save).
+            facts["error"] = "\n".join(getattr(error, "__notes__", []))
             facts["error_step"] = trainer.global_step
     torch.distributed.barrier()
     facts["in_file"] = load_file_weights(locate_checkpoint(path))
@@ -351,14 +369,19 @@ def failing_save_body(directory: str, when: str) -> dict[str, Any]:
     return facts
 
 
-@pytest.mark.parametrize("when", ["next_save", "end_of_fit"])
+@pytest.mark.parametrize(
+    ("when", "strategy_name"),
+    [("next_save", "ddp"), ("end_of_fit", "ddp"), ("run_fails", "ddp"), ("run_fails", "fsdp_kept_sharded")],
+)
 def test_a_failed_background_save_is_raised_naming_the_path_and_keeps_the_previous_checkpoint(
-    rank_pool_2, tmp_path, when
+    rank_pool_2, tmp_path, when, strategy_name
 ):
-    for facts in rank_pool_2.run(failing_save_body, str(tmp_path), when):
+    for facts in rank_pool_2.run(failing_save_body, str(tmp_path), when, strategy_name):
         assert facts["error"] is not None, "the failure must be raised, not swallowed"
         assert str(tmp_path / "last.ckpt") in facts["error"] and "simulated disk failure" in facts["error"]
         assert facts["error_step"] == (6 if when == "next_save" else 4)
+        if when == "run_fails":
+            assert facts["error"].startswith("lightning_colossal: "), facts["error"]
         torch.testing.assert_close(facts["in_file"], facts["state_at_first_save"], rtol=0, atol=0)
         torch.testing.assert_close(facts["resumed"], facts["state_at_first_save"], rtol=0, atol=0)
         assert facts["leftovers"] == [] and len(facts["shard_directories"]) == 1
