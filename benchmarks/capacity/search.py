@@ -576,8 +576,8 @@ def disk_note(result: dict[str, Any]) -> str:
     )
     return (
         f"{note} At {largest['layers']} layers: host model state peaked at {largest['peak_host_bytes'] / MIB:.1f} MiB"
-        f" (+ {largest.get('disk_staging_bytes', 0) / MIB:.1f} MiB of the disk tier's staging buffers, which H does"
-        " not count), optimizer state on disk"
+        f" (+ {largest.get('disk_staging_bytes', 0) / MIB:.1f} MiB of the disk tier's staging buffers: the engine"
+        " keeps the two together within H), optimizer state on disk"
         f" {largest.get('disk_bytes', 0) / MIB:.1f} MiB per rank, peak RSS {rss} MiB per rank, step times {steps} s"
         " per rank."
     )
