@@ -45,6 +45,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="the tier as before 2026-11-27: each read or write one task on a 2-thread pool (blocks in turn)",
     )
     parser.add_argument(
+        "--staging-slots",
+        type=int,
+        default=None,
+        help="staging buffers of the tier (its STAGING_SLOTS when omitted); reads queue ahead into the spare ones",
+    )
+    parser.add_argument(
         "--offload-dir", type=Path, default=Path(tempfile.gettempdir()) / "lightning_colossal_disk_stream"
     )
     parser.add_argument("--output", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "out" / "disk_stream.json")
@@ -64,6 +70,8 @@ def rank_main(arguments: argparse.Namespace) -> dict[str, Any]:
         from lightning_colossal.disk import files
 
         files.SPLIT_TRANSFERS, files.IO_THREADS = False, 2
+    if arguments.staging_slots is not None:
+        optimizer_state.STAGING_SLOTS = arguments.staging_slots
     torch.manual_seed(0)
     masters = [torch.zeros(arguments.record_numel, requires_grad=True) for _ in range(arguments.records)]
     for master in masters:

@@ -276,28 +276,39 @@ class DiskOptimizerState:
         slots: deque[Tensor] = deque(self._slots)
         writes: deque[tuple[Future[None], Tensor]] = deque()
         reads: dict[int, tuple[Future[None] | None, Tensor]] = {}
+        next_read = 0
 
-        def take_slot() -> Tensor:
-            if not slots:
+        def reclaim_written() -> None:
+            while writes and writes[0][0].done():
                 finished, slot = writes.popleft()
                 finished.result()
                 slots.append(slot)
-            return slots.popleft()
 
-        def start_read(index: int) -> None:
-            record = self.records[index]
-            slot = take_slot()
-            future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None
-            reads[index] = (future, slot)
+        def start_reads(needed: int) -> None:
+            """Reads started up to record ``needed`` (waiting for a write to free a buffer if it must), then further
+            ahead into whatever buffers are free already: with more than three buffers, reads queue deeper."""
+            nonlocal next_read
+            while next_read < len(self.records):
+                reclaim_written()
+                if next_read > needed and not slots:
+                    return
+                if not slots:
+                    finished, slot = writes.popleft()
+                    finished.result()
+                    slots.append(slot)
+                record = self.records[next_read]
+                slot = slots.popleft()
+                future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None
+                reads[next_read] = (future, slot)
+                next_read += 1
 
         output = None
         try:
-            start_read(0)  # the first record is read while the parameters kept in memory step
+            start_reads(0)  # the first records are read while the parameters kept in memory step
             if resident:
                 output = self._step_only(resident)
             for index, record in enumerate(self.records):
-                if index + 1 < len(self.records):
-                    start_read(index + 1)
+                start_reads(index + 1)
                 future, slot = reads.pop(index)
                 if future is not None:
                     future.result()

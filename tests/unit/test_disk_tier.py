@@ -17,7 +17,7 @@ import torch
 
 from lightning_colossal.checkpoint.layout import locate_checkpoint
 from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement, ZeroConfig
-from lightning_colossal.disk import files
+from lightning_colossal.disk import files, optimizer_state
 from lightning_colossal.disk.files import (
     TIER_PREFIX,
     DiskTierFull,
@@ -81,6 +81,48 @@ def test_streamed_step_equals_one_step_bit_for_bit(tmp_path, name):
     state.close()
     assert not directory.exists()
     assert moment not in optimizer.state[params[0]]  # no placeholder left to be read as zeros
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_reads_queue_ahead_into_spare_staging_buffers_and_the_step_stays_exact(tmp_path, monkeypatch, slots):
+    monkeypatch.setattr(optimizer_state, "STAGING_SLOTS", slots)
+    torch.manual_seed(0)
+    params = [torch.randn(257 * (index + 1), requires_grad=True) for index in range(8)]
+    reference = [param.detach().clone().requires_grad_() for param in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    state = open_disk_state(optimizer, [[param] for param in params], str(tmp_path), 0, torch.device("cpu"), "t")
+    events: list[tuple[str, int]] = []
+    offsets = {record.file_offset: index for index, record in enumerate(state.records)}
+    read, step_only = state.file.read, state._step_only
+    monkeypatch.setattr(
+        state.file, "read", lambda offset, buffer: events.append(("read", offsets[offset])) or read(offset, buffer)
+    )
+    monkeypatch.setattr(
+        state,
+        "_step_only",
+        lambda keep: events.append(("step", len([e for e in events if e[0] == "step"]))) or step_only(keep),
+    )
+    for _ in range(3):
+        events.clear()
+        for param, twin in zip(params, reference, strict=True):
+            gradient = torch.randn_like(param)
+            param.grad, twin.grad = gradient.clone(), gradient.clone()
+        state.step()
+        reference_optimizer.step()
+    for param, twin in zip(params, reference, strict=True):
+        assert torch.equal(param, twin)
+    # Before the first record steps, every buffer holds a read (none is being written yet); later records are read
+    # as writes free buffers: with more buffers, reads queue further ahead of the record being stepped.
+    first_step = events.index(("step", 0))
+    assert events[:first_step] == [("read", index) for index in range(slots)]
+    reads_ahead = [
+        max(index for kind, index in events[:position] if kind == "read") - stepped
+        for position, (kind, stepped) in enumerate(events)
+        if kind == "step"
+    ]
+    assert max(reads_ahead) == slots - 1 and min(reads_ahead[: len(params) - slots]) >= 1
+    state.close()
 
 
 def test_state_bytes_per_element_follow_the_optimizer():
