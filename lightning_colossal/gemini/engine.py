@@ -265,8 +265,9 @@ class GeminiEngine(EngineDiskTier):
         return chunk.spec.members[position].numel
 
     def remove(self) -> None:
-        """Remove every hook (the chunks stay as they are)."""
+        """Remove every hook (the chunks stay as they are) and let go of the host buffers kept for reuse."""
         self.hooks.remove()
+        self.manager.buffers.clear()
 
     # ---------------------------------------------------------------------------------------------- forward/backward
     def step_context(self) -> AbstractContextManager[None]:

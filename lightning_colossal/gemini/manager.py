@@ -42,6 +42,7 @@ from lightning_colossal.disk.optimizer_state import is_placeholder
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
+from lightning_colossal.engine_parts.buffer_pool import BufferPool
 from lightning_colossal.engine_parts.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.layout import ChunkMember, ChunkSpec
@@ -99,6 +100,9 @@ class ChunkManager:
         self.use_scatter_gather = use_scatter_gather
         self.reduce_scatter = use_scatter_gather if reduce_scatter is None else reduce_scatter
         self.plan = plan
+        #: Host buffers of gathers, full gradients and staging, reused from step to step ([Note: reusing large host
+        #: buffers] in ``engine_parts/buffer_pool.py``).
+        self.buffers = BufferPool()
         self.chunks: list[Chunk] = []
         for spec, members in zip(specs, parameters, strict=True):
             dtype = members[0].dtype
@@ -157,7 +161,9 @@ class ChunkManager:
             source = devices.to_device(chunk.shard, self.compute_device)
         else:
             source = chunk.shard
-        full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
+        # The slots' copies and a one-rank copy write every element; the all-reduce route sums into zeros.
+        zeroed = self.world_size > 1 and not self.use_scatter_gather
+        full = self.buffers.take(chunk.spec.numel, chunk.shard.dtype, self.compute_device, zeroed=zeroed)
         work = None
         if self.world_size == 1:
             full.copy_(source)
@@ -180,7 +186,7 @@ class ChunkManager:
         self.peak_working_set_bytes = max(self.peak_working_set_bytes, self.working_set_bytes)
 
     def allocate_full_gradient(self, chunk: Chunk) -> Tensor:
-        chunk.full_gradient = torch.zeros(chunk.spec.numel, dtype=torch.float32, device=self.compute_device)
+        chunk.full_gradient = self.buffers.take(chunk.spec.numel, torch.float32, self.compute_device, zeroed=True)
         self._count_working_set(_nbytes(chunk.full_gradient))
         return chunk.full_gradient
 
@@ -203,17 +209,19 @@ class ChunkManager:
 
     def _all_gather_slots(self, chunk: Chunk, source: Tensor, full: Tensor) -> RecordedWork | None:
         slot = chunk.spec.slot_numel
-        send = torch.zeros(slot, dtype=source.dtype, device=self.compute_device)
+        send = self.buffers.take(slot, source.dtype, self.compute_device, zeroed=True)
         for member in chunk.spec.members:
             send[member.slot_offset : member.slot_offset + member.spec.local_numel].copy_(
                 chunk.member_shard(source, member).reshape(-1)
             )
-        slots = torch.empty(self.world_size * slot, dtype=source.dtype, device=self.compute_device)
+        slots = self.buffers.take(self.world_size * slot, source.dtype, self.compute_device, zeroed=False)
 
         def copy_rows() -> None:
             rank_major = slots.view(self.world_size, slot)
             for member in chunk.spec.members:
                 rows_from_slots(rank_major, member.slot_offset, member.spec, _flat_member(full, member))
+            self.buffers.give_back(slots)
+            self.buffers.give_back(send)
 
         return collectives.all_gather_into_async(slots, send, group=self.process_group, then=copy_rows)
 
@@ -236,7 +244,8 @@ class ChunkManager:
         self.detach_parameters(chunk)
 
     def release_all(self) -> None:
-        """Release every gathered chunk (between stages; chunks stay valid, only the gathered copies go)."""
+        """Release every gathered chunk (after each step and between stages; chunks stay valid, only the gathered
+        copies go; their buffers stay kept for the next step's gathers, until ``buffers.clear()``)."""
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 self.wait(chunk)
@@ -255,6 +264,8 @@ class ChunkManager:
     def _drop_gathered(self, chunk: Chunk) -> None:
         chunk.move(ChunkState.SHARDED)
         self._count_working_set(-_nbytes(chunk.full))
+        # Reused once autograd let go of the weights it saved from it ([Note: reusing large host buffers]).
+        self.buffers.give_back(chunk.full)
         chunk.full = None
 
     def move_shard(self, chunk: Chunk, location: Location) -> None:
@@ -280,11 +291,13 @@ class ChunkManager:
         """Take part in another rank's gather of ``chunk`` with this rank's rows, keeping nothing (the chunk's own
         state is unchanged: it may be gathered here already, or not needed)."""
         source = devices.to_device(chunk.shard, self.compute_device)
-        full = torch.zeros(chunk.spec.numel, dtype=chunk.shard.dtype, device=self.compute_device)
+        zeroed = not self.use_scatter_gather
+        full = self.buffers.take(chunk.spec.numel, chunk.shard.dtype, self.compute_device, zeroed=zeroed)
         with Activity(describe_chunk, "contributing rows to another rank's gather of", chunk):
             work = self._exchange_rows(chunk, source, full)
             if work is not None:
                 work.wait()
+        self.buffers.give_back(full)
 
     def reduce(self, chunk: Chunk, bound_in_flight: bool = True) -> None:
         """Start averaging the chunk's full gradient over the ranks; ``complete_reductions`` adds the own rows to the
@@ -308,11 +321,12 @@ class ChunkManager:
     def _launch_reduction(self, chunk: Chunk, full: Tensor) -> None:
         """Start the collective of ``reduce`` and queue it (its handle keeps the activity label for the wait)."""
         if self.reduce_scatter and self.world_size > 1:
-            staging = torch.zeros(
-                self.world_size, chunk.spec.slot_numel, dtype=torch.float32, device=self.compute_device
-            )
+            staging = self.buffers.take(
+                self.world_size * chunk.spec.slot_numel, torch.float32, self.compute_device, zeroed=True
+            ).view(self.world_size, chunk.spec.slot_numel)
             for member in chunk.spec.members:
                 rows_into_slots(_flat_member(full, member), member.spec, staging, member.slot_offset)
+            self.buffers.give_back(full)
             work, received = collectives.reduce_own_slot_async(staging.view(-1), self.reduce_group, scatter=True)
             self._pending.append(_PendingReduction(chunk, work, received, staging, rank_major=True))
         else:
@@ -349,6 +363,9 @@ class ChunkManager:
                     own = chunk.member_owned_in_full(result, member)
                 target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
                 target.add_(own, alpha=1.0 / self.world_size)
+            self.buffers.give_back(pending.staging)
+            if not pending.rank_major:
+                self.buffers.give_back(pending.result)  # the chunk's full gradient, summed in place
 
     def attach_master_gradients(self, has_gradient: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """Point each master's ``.grad`` at its reduced rows; ``None`` where ``has_gradient(parameter)`` is false."""

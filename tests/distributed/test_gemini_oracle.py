@@ -50,3 +50,44 @@ def test_fp32_matches_oracle_for_every_placement(rank_pool_2, placement):
         train_gemini_body, STEPS, 1, None, "norm", "32-true", {"placement": PLACEMENTS[placement]}
     )
     assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS), accumulate=1, **FP32)
+
+
+def pooled_buffers_body(placement_name: str, accumulate: int) -> dict[str, Any]:
+    """Training with every host buffer pooled, however small ([Note: reusing large host buffers]): the test model's
+    chunks are far below the pool's usual floor."""
+    from lightning_colossal.engine_parts import buffer_pool
+
+    floor = buffer_pool.SMALLEST_POOLED_BYTES
+    buffer_pool.SMALLEST_POOLED_BYTES = 0
+    reused: list[int] = []
+    original_take = buffer_pool.BufferPool.take
+
+    def counting_take(self: Any, *args: Any, **kwargs: Any) -> Any:
+        buffer = original_take(self, *args, **kwargs)
+        reused.append(self.reused)
+        return buffer
+
+    buffer_pool.BufferPool.take = counting_take  # type: ignore[method-assign]
+    try:
+        result = train_gemini_body(
+            STEPS, accumulate, None, "norm", "32-true", {"placement": PLACEMENTS[placement_name]}
+        )
+    finally:
+        buffer_pool.SMALLEST_POOLED_BYTES = floor
+        buffer_pool.BufferPool.take = original_take  # type: ignore[method-assign]
+    result["reused"] = max(reused, default=0)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("placement", "accumulate"), [("static", 1), ("static-offload-params", 2), ("auto", 1)], ids=str
+)
+def test_reused_host_buffers_never_hold_what_autograd_still_reads(rank_pool_2, placement, accumulate):
+    # Gathered chunks are given back while autograd still holds the weights it saved from them; reusing one then would
+    # overwrite those weights before backward reads them.
+    results = rank_pool_2.run(pooled_buffers_body, placement, accumulate)
+    for result in results:
+        assert result.pop("reused") > 2 * STEPS, "the pool must actually hand buffers out again"
+    assert_matches_oracle(
+        results, oracle_train(world_size=2, steps=STEPS, accumulate=accumulate), accumulate=accumulate, **FP32
+    )
