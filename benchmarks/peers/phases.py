@@ -83,6 +83,7 @@ CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 COMPUTE = "compute"
+SCOPES = "Python inside scopes and autograd nodes"
 UNACCOUNTED = "Python and profiler (no operator)"
 
 
@@ -117,7 +118,9 @@ def _parse_configuration(text: str) -> tuple[str, str, dict[str, Any]]:
 
 def category_of(name: str) -> str:
     """The category of an operator: communication by any of its words anywhere in the name (``gloo:all_reduce``,
-    ``c10d::send``, ``record_param_comms``), the others by prefix; the model's arithmetic otherwise."""
+    ``c10d::send``, ``record_param_comms``), the others by prefix; other ``aten::`` operators are the model's
+    arithmetic, and everything else a scope (an autograd node, ``FSDP::all_gather``, ``Optimizer.step``) whose self
+    time is the Python that ran inside it: hooks in autograd nodes, an engine's bookkeeping."""
     lowered = name.lower()
     communication, *others = CATEGORIES
     if any(word in lowered for word in communication[1]):
@@ -125,7 +128,7 @@ def category_of(name: str) -> str:
     for category, prefixes in others:
         if lowered.startswith(prefixes):
             return category
-    return COMPUTE
+    return COMPUTE if lowered.startswith("aten::") else SCOPES
 
 
 # ------------------------------------------------------------------------------------------------------------- ranks
