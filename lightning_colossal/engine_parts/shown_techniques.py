@@ -12,6 +12,9 @@ moved it into a class of its own meanwhile, when only the listing empties.
 
 from __future__ import annotations
 
+import copyreg
+from typing import Any
+
 from torch import nn
 
 #: How activation checkpointing is listed, by every engine that applies it.
@@ -23,6 +26,18 @@ _LISTING = "_attached_techniques"
 class _ShowsAttached:
     """Mixed in first by ``_showing_class``: the module's own ``extra_repr`` and one line naming what is attached."""
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # Pickled (and deep-copied) as the module's own class: the subclass only changes what is printed, and pickle
+        # could not find it by its name, which is the original class's.
+        reduced = super().__reduce_ex__(protocol)
+        if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1][0] is type(self):
+            original = next(base for base, shown in _showing_classes.items() if shown is type(self))
+            state, *rest = reduced[2:] or (None,)
+            if isinstance(state, dict):  # the copy carries no listing: it is its own class again
+                state = {key: value for key, value in state.items() if key != _LISTING}
+            return (_new_object, (original, *reduced[1][1:]), state, *rest)
+        return reduced
+
     def extra_repr(self) -> str:
         own = super().extra_repr()  # type: ignore[misc]
         techniques = list(dict.fromkeys(getattr(self, _LISTING, ())))
@@ -30,6 +45,11 @@ class _ShowsAttached:
             return own
         line = "attached: " + ", ".join(techniques)
         return f"{line}\n{own}" if own else line
+
+
+def _new_object(cls: type, *arguments: Any) -> Any:
+    """``copyreg.__newobj__`` for a class other than the pickled object's own (pickle refuses that one there)."""
+    return cls.__new__(cls, *arguments)
 
 
 _showing_classes: dict[type, type] = {}

@@ -174,3 +174,18 @@ def test_huggingface_split_gather_runs_the_library_forward_with_hooks_that_come_
     assert _hooked_modules(model) == _hooked_modules(reference)
     assert repr(model) == repr(reference)
     _assert_same_run(_output_and_gradients(model, inputs), before)
+
+
+def test_a_module_with_a_listed_technique_pickles_and_copies_as_its_own_class():
+    import pickle
+
+    layer = nn.Linear(3, 3)
+    attached = AttachedTechniques()
+    attached.changed(layer, "a setting swapped", lambda: None)
+    assert "attached: a setting swapped" in repr(layer) and type(layer) is not nn.Linear
+    for copied in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert type(copied) is nn.Linear and "_attached_techniques" not in vars(copied)
+        assert torch.equal(copied.weight, layer.weight) and repr(copied) == repr(nn.Linear(3, 3))
+    assert "attached: a setting swapped" in repr(layer)  # the original keeps its listing
+    attached.remove()
+    assert type(layer) is nn.Linear
