@@ -13,6 +13,7 @@ call returns. FSDP2 on CPU gathers synchronously by default, so nothing overlaps
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts.buffer_pool import BufferPool
 
 try:  # the comm interfaces arrived with the custom-comm setters; older torch keeps FSDP2's own collectives
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -29,8 +31,23 @@ except ImportError:  # pragma: no cover - torch < 2.8
     AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
 
 
+#: The exchanges' buffers (gathered units, reduce-scatter inputs), kept for reuse once FSDP2 lets go of them
+#: ([Note: reusing large host buffers] in ``engine_parts/buffer_pool.py``): a unit above glibc's mmap threshold (the
+#: root holding a large embedding and head) was page-faulted in at every gather. ``drop_kept_buffers`` at teardown.
+_BUFFERS = BufferPool()
+
+
 def _allocate(size: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+    numel = math.prod(size)
+    buffer = _BUFFERS.take(numel, dtype, device, zeroed=False)
+    # Kept at once: FSDP2 holds it until its copy-out is done, and the pool hands it out only after that.
+    _BUFFERS.give_back(buffer)
+    return buffer.view(*size)
+
+
+def drop_kept_buffers() -> None:
+    """Let go of the buffers kept for the next gathers (a run's end)."""
+    _BUFFERS.clear()
 
 
 if AllGather is not None:

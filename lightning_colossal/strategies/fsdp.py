@@ -40,6 +40,7 @@ from lightning_colossal.engine_parts.whole_parameters import whole_dtensor_param
 from lightning_colossal.fsdp import (
     UnusedGradientTracker,
     detect_block_classes,
+    drop_kept_buffers,
     include_unused_parameters_in_reduction,
     shard_model,
     sharded_roots,
@@ -223,6 +224,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
 
     def teardown(self) -> None:
         self._gradient_tracker = None  # it holds this run's sharded parameters
+        drop_kept_buffers()  # the exchanges' buffers kept between gathers
         if (
             self.fsdp_config.keep_weights_sharded
             or self._run_failed

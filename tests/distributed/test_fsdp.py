@@ -232,6 +232,32 @@ def gpt_body(strategy_name: str, activation_checkpointing: bool) -> dict[str, An
     }
 
 
+def pooled_gpt_body() -> dict[str, Any]:
+    """``gpt_body`` under FSDP with every exchange buffer pooled however small ([Note: reusing large host buffers]);
+    the test GPT's units are far below the pool's usual floor."""
+    from lightning_colossal.engine_parts import buffer_pool
+    from lightning_colossal.fsdp import exchange
+
+    floor = buffer_pool.SMALLEST_POOLED_BYTES
+    buffer_pool.SMALLEST_POOLED_BYTES = 0
+    exchange._BUFFERS.reused = 0
+    try:
+        result = gpt_body("fsdp", False)
+        result["reused"] = exchange._BUFFERS.reused
+    finally:
+        buffer_pool.SMALLEST_POOLED_BYTES = floor
+    return result
+
+
+def test_reused_exchange_buffers_train_like_ddp(rank_pool_2):
+    # FSDP2 keeps a gathered unit's buffer until its copy-out and the reduce-scatter input until the exchange ends;
+    # a buffer handed out again before then would mix two units' values.
+    reference = rank_pool_2.run(gpt_body, "ddp", False)[0]
+    for result in rank_pool_2.run(pooled_gpt_body):
+        assert result["reused"] > 10, "the exchanges must actually reuse buffers"
+        torch.testing.assert_close(result["parameters"], reference["parameters"], rtol=1e-5, atol=1e-6)
+
+
 def test_activation_checkpointing_on_auto_detected_blocks_trains_like_ddp(rank_pool_2):
     reference = rank_pool_2.run(gpt_body, "ddp", False)[0]
     assert reference["mlp_calls"] == 6
