@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,6 +50,22 @@ def _groups(params: list[torch.Tensor]) -> list[dict]:
     return [{"params": params[:2]}, {"params": params[2:], "lr": 0.005}]
 
 
+def _step_both_and_compare(
+    state: Any, reference_optimizer: Any, params: list, reference: list, steps: int, before_each: Any = None
+) -> None:
+    """``steps`` steps of the tier and of the in-memory reference on the same random gradients; bit-equal after."""
+    for _ in range(steps):
+        if before_each is not None:
+            before_each()
+        for param, twin in zip(params, reference, strict=True):
+            gradient = torch.randn_like(param)
+            param.grad, twin.grad = gradient.clone(), gradient.clone()
+        state.step()
+        reference_optimizer.step()
+    for param, twin in zip(params, reference, strict=True):
+        assert torch.equal(param, twin)
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_streamed_step_equals_one_step_bit_for_bit(tmp_path, name):
     torch.manual_seed(0)
@@ -60,14 +77,7 @@ def test_streamed_step_equals_one_step_bit_for_bit(tmp_path, name):
     state = open_disk_state(
         optimizer, [[params[0]], [params[2], params[3]], [params[4]]], str(tmp_path), 0, torch.device("cpu"), "t"
     )
-    for _ in range(4):
-        for param, twin in zip(params, reference, strict=True):
-            gradient = torch.randn_like(param)
-            param.grad, twin.grad = gradient.clone(), gradient.clone()
-        state.step()
-        reference_optimizer.step()
-    for param, twin in zip(params, reference, strict=True):
-        assert torch.equal(param, twin)
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=4)
     moment = state.records[0].entries[0].key
     assert is_placeholder(optimizer.state[params[0]][moment])  # between steps the state is on disk only
     assert not is_placeholder(optimizer.state[params[1]][moment])  # the parameter left in memory
@@ -103,15 +113,7 @@ def test_reads_queue_ahead_into_spare_staging_buffers_and_the_step_stays_exact(t
         "_step_only",
         lambda keep: events.append(("step", len([e for e in events if e[0] == "step"]))) or step_only(keep),
     )
-    for _ in range(3):
-        events.clear()
-        for param, twin in zip(params, reference, strict=True):
-            gradient = torch.randn_like(param)
-            param.grad, twin.grad = gradient.clone(), gradient.clone()
-        state.step()
-        reference_optimizer.step()
-    for param, twin in zip(params, reference, strict=True):
-        assert torch.equal(param, twin)
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=3, before_each=events.clear)
     # Before the first record steps, every buffer holds a read (none is being written yet); later records are read
     # as writes free buffers: with more buffers, reads queue further ahead of the record being stepped.
     first_step = events.index(("step", 0))
