@@ -19,8 +19,10 @@ shares of a profiled step, next to the unprofiled phase times; they say where th
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -99,6 +101,12 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--output", type=Path, default=REPOSITORY_ROOT / "benchmarks" / "out" / "phases.json")
+    parser.add_argument(
+        "--python-profile",
+        action="store_true",
+        help="also run cProfile over the measured steps of the profiled run and list the Python functions with the"
+        " most own time",
+    )
     parser.add_argument("--rank-spec", type=Path, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -156,8 +164,12 @@ def rank_main(spec: dict[str, Any]) -> dict[str, Any]:
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_index: int) -> None:
             if profiled and batch_index == warmup:
-                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                self.profiler.__enter__()
+                if spec.get("python_profile"):
+                    self.profiler = cProfile.Profile()
+                    self.profiler.enable()
+                else:
+                    self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    self.profiler.__enter__()
             self.marks.append({"start": time.perf_counter()})
 
         def on_before_backward(self, trainer: Any, module: Any, loss: Any) -> None:
@@ -172,7 +184,10 @@ def rank_main(spec: dict[str, Any]) -> dict[str, Any]:
         def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
             self._mark("end")
             if self.profiler is not None and len(self.marks) == warmup + steps:
-                self.profiler.__exit__(None, None, None)
+                if isinstance(self.profiler, cProfile.Profile):
+                    self.profiler.disable()
+                else:
+                    self.profiler.__exit__(None, None, None)
 
     model_config = GPTConfig(**BENCHMARK_MODEL)
     torch.manual_seed(0)
@@ -210,7 +225,17 @@ def rank_main(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if pool is not None:
         result["buffer_pool"] = {"reused": pool.reused, "allocated": pool.allocated}
-    if probe.profiler is not None:
+    if isinstance(probe.profiler, cProfile.Profile):
+        statistics_ = pstats.Stats(probe.profiler)
+        own = sorted(statistics_.stats.items(), key=lambda item: -item[1][2])[:30]  # type: ignore[attr-defined]
+        result["python_functions"] = {
+            f"{Path(file).name}:{line} {name}": {
+                "own_seconds_per_step": entry[2] / steps,
+                "calls_per_step": entry[1] / steps,
+            }
+            for (file, line, name), entry in own
+        }
+    elif probe.profiler is not None:
         by_category: dict[str, float] = {}
         operators: dict[str, float] = {}
         for event in probe.profiler.key_averages():
@@ -237,6 +262,7 @@ def _run(label: str, strategy: str, init_args: dict[str, Any], arguments: argpar
             "warmup": arguments.warmup,
             "steps": arguments.steps,
             "profiled": profiled,
+            "python_profile": arguments.python_profile,
         }
         spec_path.write_text(json.dumps(spec))
         launch_ranks("benchmarks.peers.phases", ["--rank-spec", str(spec_path)], 2, Path(scratch), 900)
@@ -272,12 +298,20 @@ def main(argv: list[str] | None = None) -> int:
         profiled = _run(label, strategy, init_args, arguments, profiled=True)
         phases = _slowest_rank_medians(timed)
         entry = {"phases": phases, "profile_per_rank": [rank.get("profile") for rank in profiled]}
+        if arguments.python_profile:
+            entry["python_functions_per_rank"] = [rank.get("python_functions") for rank in profiled]
+            for name, figures in list(profiled[0]["python_functions"].items())[:15]:
+                print(
+                    f"  {figures['own_seconds_per_step'] * 1e3:7.1f} ms {figures['calls_per_step']:7.0f} calls  {name}"
+                )
         report["results"][label] = entry
         print(f"{label}: " + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in phases.items()))
         pools = [rank.get("buffer_pool") for rank in timed]
         if pools[0] is not None:
             print(f"  host buffers reused / allocated per rank: {pools}")
         for rank, profile in enumerate(entry["profile_per_rank"]):
+            if profile is None:
+                continue
             shares = ", ".join(f"{name} {seconds * 1e3:.0f}" for name, seconds in profile["by_category"].items())
             print(f"  rank {rank} profiled step {profile['step_wall'] * 1e3:.0f} ms: {shares} ms")
         sys.stdout.flush()
