@@ -278,8 +278,9 @@ class DiskOptimizerState:
         reads: dict[int, tuple[Future[None] | None, Tensor]] = {}
         next_read = 0
 
-        def reclaim_written() -> None:
-            while writes and writes[0][0].done():
+        def reclaim_written(wait_for_one: bool = False) -> None:
+            """Buffers whose writes finished back into ``slots``; with ``wait_for_one``, at least the oldest."""
+            while writes and (writes[0][0].done() or (wait_for_one and not slots)):
                 finished, slot = writes.popleft()
                 finished.result()
                 slots.append(slot)
@@ -289,13 +290,9 @@ class DiskOptimizerState:
             ahead into whatever buffers are free already: with more than three buffers, reads queue deeper."""
             nonlocal next_read
             while next_read < len(self.records):
-                reclaim_written()
-                if next_read > needed and not slots:
-                    return
+                reclaim_written(wait_for_one=next_read <= needed)
                 if not slots:
-                    finished, slot = writes.popleft()
-                    finished.result()
-                    slots.append(slot)
+                    return
                 record = self.records[next_read]
                 slot = slots.popleft()
                 future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None

@@ -31,7 +31,7 @@ class _ShowsAttached:
         # could not find it by its name, which is the original class's.
         reduced = super().__reduce_ex__(protocol)
         if isinstance(reduced, tuple) and reduced[0] is copyreg.__newobj__ and reduced[1][0] is type(self):
-            original = next(base for base, shown in _showing_classes.items() if shown is type(self))
+            original = type(self).__dict__["_shown_original"]
             state, *rest = reduced[2:] or (None,)
             if isinstance(state, dict):  # the copy carries no listing: it is its own class again
                 state = {key: value for key, value in state.items() if key != _LISTING}
@@ -61,7 +61,12 @@ def _showing_class(cls: type) -> type:
     if issubclass(cls, _ShowsAttached):
         return cls
     if cls not in _showing_classes:
-        names = {"__name__": cls.__name__, "__qualname__": cls.__qualname__, "__module__": cls.__module__}
+        names = {
+            "__name__": cls.__name__,
+            "__qualname__": cls.__qualname__,
+            "__module__": cls.__module__,
+            "_shown_original": cls,
+        }
         _showing_classes[cls] = type(cls.__name__, (_ShowsAttached, cls), names)
     return _showing_classes[cls]
 
@@ -81,7 +86,7 @@ def unshow(module: nn.Module, technique: str) -> None:
     if listing:
         return
     module.__dict__.pop(_LISTING, None)
-    cls = type(module)
-    original = next((base for base, shown in _showing_classes.items() if shown is cls), None)
+    # Read from the class itself, not inherited: a class FSDP2 made from ours inherits the attribute.
+    original = type(module).__dict__.get("_shown_original")
     if original is not None:  # otherwise something moved it into a class of its own since (FSDP2): left as it is
         module.__class__ = original
