@@ -82,6 +82,9 @@ class ZeroConfig:
             all-gather parameters (NCCL's collectives; point-to-point sends on gloo, where the all-gather is about
             twice as fast as an all-reduce); ``"all_reduce"`` does both with all-reduces instead (same results,
             twice the bytes).
+        overlap_parameter_exchange: step the optimizer one bucket at a time and send each bucket's updated rows to the
+            other ranks while the next bucket steps, instead of exchanging them all after the step (same values; only
+            for torch's elementwise optimizers without step hooks, which step whole otherwise).
         offload_dir: directory on a local disk (NVMe) for the disk tier (``lightning_colossal/disk``); needs
             ``cpu_offload``.
         disk_fraction: share of the offloaded optimizer state (Adam's moments, SGD's momentum), counted in parameter
@@ -94,6 +97,7 @@ class ZeroConfig:
     overlap_communication: bool = True
     stage2_accumulation: Stage2Accumulation = "sharded"
     communication: Communication = "auto"
+    overlap_parameter_exchange: bool = True
     offload_dir: str | None = None
     disk_fraction: float = 0.0
 

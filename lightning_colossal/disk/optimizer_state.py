@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from lightning_colossal.disk.files import DiskTierError, DiskTierFull, TierDirectory, TierFile, align_up, aligned_buffer
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
-from lightning_colossal.engine_parts import stand_ins
+from lightning_colossal.engine_parts import optimizer_takeover, stand_ins
 
 _HOST = torch.device("cpu")
 #: The one zero per dtype every placeholder views (what makes a placeholder recognisable at any size).
@@ -330,7 +330,7 @@ class DiskOptimizerState:
         return output
 
     def _step_only(self, keep: set[int]) -> Any:
-        with _narrowed(self.optimizer, keep):
+        with optimizer_takeover.narrowed_to(self.optimizer, keep):
             self._streaming = True
             try:
                 return self.optimizer.step()
@@ -468,19 +468,6 @@ def _io_bytes(record: _Record) -> int:
 
 def _view(buffer: Tensor, entry: _Entry) -> Tensor:
     return buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.master.shape)
-
-
-@contextmanager
-def _narrowed(optimizer: Optimizer, keep: set[int]) -> Iterator[None]:
-    """Each param group holds only the parameters in ``keep`` (same group dicts: hyperparameters untouched)."""
-    saved = [group["params"] for group in optimizer.param_groups]
-    try:
-        for group, params in zip(optimizer.param_groups, saved, strict=True):
-            group["params"] = [parameter for parameter in params if id(parameter) in keep]
-        yield
-    finally:
-        for group, params in zip(optimizer.param_groups, saved, strict=True):
-            group["params"] = params
 
 
 def _state_layout_by_group(optimizer: Optimizer) -> list[list[tuple[str, torch.dtype]]]:

@@ -323,14 +323,20 @@ def reduce_own_slot_async(
     return all_reduce_async(slots, group), own
 
 
-def all_reduce_async(tensor: torch.Tensor, group: ProcessGroup | None = None) -> RecordedWork | None:
-    """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone)."""
+def all_reduce_async(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, then: Callable[[], None] | None = None
+) -> RecordedWork | None:
+    """Start a SUM all-reduce of ``tensor`` in place; returns the handle to ``wait()`` on (``None`` when alone:
+    already done). ``then`` runs once ``tensor`` holds the sum: in the handle's first ``wait()``, or here when there is
+    nothing to wait for."""
     if not is_initialized() or world_size(group) == 1:
+        if then is not None:
+            then()
         return None
     require_group_device(tensor, group, "an asynchronous all-reduce")
     with Collective("all_reduce", group, tensor):  # launching can fail too (a peer already gone)
         work = dist.all_reduce(tensor, op=ReduceOp.SUM, group=group, async_op=True)
-    return RecordedWork(work, "all_reduce", group, tensor)
+    return RecordedWork(work, "all_reduce", group, tensor, then)
 
 
 def reduce_scatter_async(

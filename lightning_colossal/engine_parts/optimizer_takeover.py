@@ -14,14 +14,32 @@ SparseAdam, which are refused (``WHOLE_PARAMETER_OPTIMIZERS``). An optimizer fro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
+import torch.optim.optimizer as torch_optimizer_module
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 # torch optimizers whose fused kernel also runs on the CPU.
 FUSED_CPU_KERNELS = ("Adam", "AdamW", "SGD", "Adagrad")
+
+# torch optimizers whose step of a parameter reads only that parameter, its gradient and its state, and that keep no
+# count or statistic per step() call: stepping a subset of the parameters at a time gives the same values as one
+# step of all of them (zero/exchange.py [Note: exchange overlapped with the step]).
+STEP_EACH_PARAMETER_ALONE = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "NAdam",
+    "RAdam",
+    "Adagrad",
+    "RMSprop",
+    "Adadelta",
+)
 
 # torch optimizers that cannot step a rank's rows of a parameter on their own, and why ([Note: optimizer takeover]).
 WHOLE_PARAMETER_OPTIMIZERS = {
@@ -91,3 +109,38 @@ def swap_parameters(optimizer: Optimizer, replacement: Mapping[int, Tensor]) -> 
     ones without a replacement (frozen parameters: they never have a gradient to step)."""
     for group in optimizer.param_groups:
         group["params"] = [replacement[id(parameter)] for parameter in group["params"] if id(parameter) in replacement]
+
+
+def steps_each_parameter_alone(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` may be stepped a subset of its parameters at a time with the values of one whole step:
+    its class's ``step`` is one of ``STEP_EACH_PARAMETER_ALONE``'s (a subclass that overrides ``step`` is not known to
+    be), and no hook runs around its steps (hooks expect one call per step)."""
+    # torch wraps a class's step in a profiling wrapper when the first instance is built: compare what is wrapped.
+    steps = {
+        inspect.unwrap(getattr(torch.optim, name).step)
+        for name in STEP_EACH_PARAMETER_ALONE
+        if hasattr(torch.optim, name)
+    }
+    if inspect.unwrap(type(optimizer).step) not in steps:
+        return False
+    hooks = (
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(torch_optimizer_module, "_global_optimizer_pre_hooks", None),
+        getattr(torch_optimizer_module, "_global_optimizer_post_hooks", None),
+    )
+    return not any(hooks)
+
+
+@contextmanager
+def narrowed_to(optimizer: Optimizer, keep: set[int]) -> Iterator[None]:
+    """Inside: each param group holds only the parameters whose ids are in ``keep`` (the same group dicts, so the
+    hyperparameters are untouched); the full lists come back on exit."""
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = [parameter for parameter in params if id(parameter) in keep]
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"] = params

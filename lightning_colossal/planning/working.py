@@ -29,8 +29,10 @@ from lightning_colossal.planning.settings import Setting
 
 __all__ = ["Working", "working_memory"]
 
-# Mirrors MAX_STAGE2_BUCKETS_IN_FLIGHT in lightning_colossal/zero/stages.py (tests/unit/test_plan.py checks it).
+# Mirror MAX_STAGE2_BUCKETS_IN_FLIGHT in lightning_colossal/zero/stages.py and MAX_EXCHANGES_IN_FLIGHT in
+# lightning_colossal/zero/exchange.py (tests/unit/test_plan.py checks both).
 STAGE2_BUCKETS_IN_FLIGHT = 2
+EXCHANGES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -47,12 +49,18 @@ def _zero_buffers(shapes: Sequence[tuple[int, ...]], training: Training, stage: 
     bucket = bucket_numel(ZeroConfig().bucket_size_mb)  # as the ZeRO engine buckets
     width = training.parameter_bytes
     if stage == 1:
+        # Each exchange in flight holds this rank's rows of a bucket and the bucket gathered from every rank.
         filled = min(bucket + max(math.prod(shape) for shape in shapes), sum(math.prod(shape) for shape in shapes))
-        return Working(Placed(device=2 * filled * width), "about 2 buckets for the parameter exchange")
+        exchange = EXCHANGES_IN_FLIGHT * (filled + math.ceil(filled / world_size)) * width
+        return Working(Placed(device=exchange), f"{EXCHANGES_IN_FLIGHT} bucket exchanges in flight after the step")
     slots = [shard_spec(shape, world_size, 0).slot_numel for shape in shapes]
     filled = min(bucket + max(slots), sum(slots))
-    staging = (STAGE2_BUCKETS_IN_FLIGHT + 1) * world_size * filled * width
-    return Working(Placed(device=staging), f"{STAGE2_BUCKETS_IN_FLIGHT + 1} rank-major staging buckets")
+    # The exchanges' gathered buckets reuse the staging buckets; their rows to send are extra.
+    staging = ((STAGE2_BUCKETS_IN_FLIGHT + 1) * world_size + EXCHANGES_IN_FLIGHT) * filled * width
+    return Working(
+        Placed(device=staging),
+        f"{STAGE2_BUCKETS_IN_FLIGHT + 1} rank-major staging buckets + the rows of {EXCHANGES_IN_FLIGHT} exchanges",
+    )
 
 
 def _gemini_buffers(

@@ -45,6 +45,7 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
         overlap_communication: bool = True,
         stage2_accumulation: Stage2Accumulation = "sharded",
         communication: Communication = "auto",
+        overlap_parameter_exchange: bool = True,
         offload_dir: str | None = None,
         disk_fraction: float = 0.0,
         **kwargs: Any,
@@ -57,6 +58,7 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
             overlap_communication=overlap_communication,
             stage2_accumulation=stage2_accumulation,
             communication=communication,
+            overlap_parameter_exchange=overlap_parameter_exchange,
             offload_dir=offload_dir,
             disk_fraction=disk_fraction,
         )

@@ -6,11 +6,9 @@ parameter that is not offloaded is its own master (a view, no copy). Low-precisi
 fp32 masters in one flat buffer on the offload device. After each optimizer step the updated rows are written back
 and every rank's rows are exchanged, so all replicas hold the full, identical parameters again.
 
-[Note: parameter exchange per backend]
-After a step each rank owns fresh rows of every parameter. By default they are all-gathered as a rank-major buffer
-(NCCL's all-gather, or point-to-point sends on gloo). With ``communication="all_reduce"`` each rank writes its rows
-into a zeroed full-size buffer and all-reduces it: since the owned rows partition the parameter, the sum is exactly
-the gathered tensor ([Note: exchanges per backend] in ``distributed/collectives.py``).
+After each step the updated rows reach every replica through ``exchange.py`` ([Note: parameter exchange per backend]),
+bucket by bucket and, for an optimizer that steps each parameter alone, overlapped with the step itself ([Note:
+exchange overlapped with the step]).
 
 [Note: masters or parameters in checkpoints]
 A checkpoint holds the fp32 masters instead of the parameters exactly when some trainable parameter is not fp32
@@ -43,7 +41,7 @@ from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
 from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.engine_parts.sharded_state import ShardedMaster
-from lightning_colossal.engine_parts.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
+from lightning_colossal.zero.exchange import ParameterExchange, step_overlapping_exchange
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter, ReducerSetup
 from lightning_colossal.zero.stages import Stage1Reducer, Stage2Reducer
 
@@ -121,7 +119,11 @@ class ZeroEngine(EngineDiskTier):
         self.masters = [
             self._master_view(offset, member) for offset, member in zip(offsets[:-1], self.members, strict=True)
         ]
-        master_of = {id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)}
+        #: Each member's master, by the id of its parameter.
+        self._master_of = {
+            id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)
+        }
+        master_of = dict(self._master_of)
         # Parameters kept whole stay in the optimizer as themselves; each rank's state for them is its own.
         held_whole = self._held_whole(optimizer)
         self.whole_entries = [
@@ -134,6 +136,9 @@ class ZeroEngine(EngineDiskTier):
         # See [Note: parameter exchange per backend]; stages.py's [Note: ZeRO-2 reduction per backend] for gradients.
         self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
         self.reducer = self._build_reducer()
+        self.exchange = ParameterExchange(self.reducer, self.process_group, self.use_scatter_gather)
+        #: Whether this step's ``step_optimizer`` already exchanged the rows ([Note: exchange overlapped with the step]).
+        self._exchanged_in_step = False
         self.sharded_masters = [
             ShardedMaster(member.name, member.spec, master)
             for member, master in zip(self.members, self.masters, strict=True)
@@ -292,9 +297,42 @@ class ZeroEngine(EngineDiskTier):
         if reduction_deferred:
             self.reduce_now()
 
+    def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
+        """``optimizer.step(**kwargs)``: bucket by bucket with each bucket's exchange started at once when the optimizer
+        allows it ([Note: exchange overlapped with the step] in ``exchange.py``), else whole (the exchange then
+        follows in ``after_step``); through the disk tier when it holds state."""
+        if not self._overlaps_exchange(optimizer, kwargs):
+            return super().step_optimizer(optimizer, **kwargs)
+        masters_by_bucket = [
+            [self._master_of[id(member.parameter)] for member in bucket.members] for bucket in self.reducer.buckets
+        ]
+        step_overlapping_exchange(optimizer, self.exchange, masters_by_bucket, self._masters_into_parameters)
+        self._exchanged_in_step = True
+        return None
+
+    def _overlaps_exchange(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> bool:
+        return (
+            self.config.overlap_parameter_exchange
+            and self.world_size > 1
+            and len(self.reducer.buckets) > 1  # nothing to overlap with one bucket
+            and self.disk_state is None  # the disk tier streams the step record by record
+            and optimizer is self.optimizer
+            and not kwargs  # a closure (or other step arguments) would run once per bucket
+            and optimizer_takeover.steps_each_parameter_alone(optimizer)
+        )
+
+    def _masters_into_parameters(self, bucket: Bucket) -> None:
+        """Separate masters only: write a stepped bucket's masters into this rank's rows of its parameters."""
+        if self.master_buffer is None:
+            return
+        for member in bucket.members:
+            devices.copy_into(_owned_rows(member.parameter.data, member), self._master_of[id(member.parameter)])
+
     def after_step(self, stepped: bool) -> None:
-        """Publish the step's result to every replica, then clear gradients for the next step."""
-        if stepped:
+        """Publish the step's result to every replica (unless ``step_optimizer`` already did), then clear gradients
+        for the next step."""
+        exchanged, self._exchanged_in_step = self._exchanged_in_step, False
+        if stepped and not exchanged:
             with torch.no_grad():
                 if self.master_buffer is not None:
                     for member, master in zip(self.members, self.masters, strict=True):
@@ -305,61 +343,8 @@ class ZeroEngine(EngineDiskTier):
             self.master_gradient_buffer.zero_()
 
     def sync_parameters(self) -> None:
-        """Give every rank the rows the other ranks own (see [Note: parameter exchange per backend]).
-
-        Works bucket by bucket in buffers the reducer already has: stage 1's gradient buffers (their contents are
-        spent once the step ran; ``after_step`` zeroes them next) or stage 2's pooled staging buffers.
-        """
-        if self.world_size == 1:
-            return
-        for index, bucket in enumerate(self.reducer.buckets):
-            with Activity("gathering the updated parameters of bucket {} of {}", index + 1, len(self.reducer.buckets)):
-                if self.use_scatter_gather:
-                    self._all_gather_bucket(bucket.members, bucket.dtype)
-                else:
-                    self._all_reduce_bucket(bucket)
-
-    def _all_reduce_bucket(self, bucket: Bucket) -> None:
-        total = sum(member.parameter.numel() for member in bucket.members)
-        pooled = bucket.gradients is None
-        buffer = (
-            self.reducer.acquire(bucket.dtype, self.world_size * bucket.numel)
-            if bucket.gradients is None
-            else bucket.gradients
-        )
-        full = buffer[:total].zero_()
-        offset = 0
-        for member in bucket.members:
-            numel = member.parameter.numel()
-            own_rows_into_whole(_owned_rows(member.parameter.data, member), member.spec, full[offset : offset + numel])
-            offset += numel
-        collectives.all_reduce(full, op="sum", group=self.process_group)
-        copy_out_of_flat(full, [member.parameter.data for member in bucket.members])
-        if pooled:
-            self.reducer.release(buffer)
-
-    def _all_gather_bucket(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
-        slot = sum(member.spec.slot_numel for member in members)
-        send = self.reducer.acquire(dtype, slot).zero_()
-        offset = 0
-        for member in members:
-            if member.spec.local_numel:
-                send[offset : offset + member.spec.local_numel].copy_(
-                    _owned_rows(member.parameter.data, member).reshape(-1)
-                )
-            offset += member.spec.slot_numel
-        gathered = self.reducer.acquire(dtype, self.world_size * slot)
-        collectives.all_gather_into(gathered, send, group=self.process_group)
-        slots = gathered.view(self.world_size, slot)
-        offset = 0
-        for member in members:
-            # A replicated parameter keeps its own value: every rank stepped it from the same averaged gradient
-            # ([Note: replicated parameters follow rank 0]).
-            if not member.spec.replicated:
-                rows_from_slots(slots, offset, member.spec, member.parameter.data.view(-1))
-            offset += member.spec.slot_numel
-        self.reducer.release(send)
-        self.reducer.release(gathered)
+        """Give every rank the rows the other ranks own ([Note: parameter exchange per backend] in ``exchange.py``)."""
+        self.exchange.all_buckets()
 
     # ---------------------------------------------------------------------------------------------- clipping
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:

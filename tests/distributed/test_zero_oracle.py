@@ -105,18 +105,67 @@ def test_bf16_mixed_matches_oracle_loosely(rank_pool_2):
 
 @pytest.mark.parametrize(
     "strategy_kwargs",
-    [
-        {"stage": 2, "bucket_size_mb": 0.001},
-        {"stage": 1, "bucket_size_mb": 0.001},
-        {"stage": 2, "overlap_communication": False},
-        {"stage": 1, "overlap_communication": False},
-    ],
-    ids=["stage2-tiny-buckets", "stage1-tiny-buckets", "stage2-no-overlap", "stage1-no-overlap"],
+    [{"stage": 2, "overlap_communication": False}, {"stage": 1, "overlap_communication": False}],
+    ids=["stage2-no-overlap", "stage1-no-overlap"],
 )
 def test_communication_settings_still_match_oracle(rank_pool_2, strategy_kwargs):
-    # 0.001 MiB is about 262 fp32 elements: most parameters get a bucket of their own, several buckets per step.
+    # Tiny buckets (several per step) are test_exchange_overlapped_with_the_step_matches_oracle's rows.
     results = rank_pool_2.run(train_zero_body, STEPS, 2, 0.05, "norm", "32-true", strategy_kwargs)
     assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
+
+
+def overlapped_exchange_body(strategy_kwargs: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``train_zero_body`` with accumulation and a clip, counting the steps that went bucket by bucket with each
+    bucket's exchange overlapped ([Note: exchange overlapped with the step])."""
+    from lightning_colossal.zero import engine as engine_module
+
+    original = engine_module.step_overlapping_exchange
+    overlapped: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        overlapped.append(len(args[2]))  # the number of buckets stepped one at a time
+        original(*args, **kwargs)
+
+    engine_module.step_overlapping_exchange = counted
+    try:
+        result = train_zero_body(steps, 2, 0.05, "norm", "32-true", strategy_kwargs)
+    finally:
+        engine_module.step_overlapping_exchange = original
+    return {**result, "overlapped_buckets": overlapped}
+
+
+# About 26 fp32 elements: each of the 7 parameters gets a bucket of its own, more buckets than exchanges in flight.
+TINY = {"bucket_size_mb": 0.0001}
+
+
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "overlapped"),
+    [
+        ({"stage": 1, **TINY}, True),
+        ({"stage": 2, **TINY}, True),
+        ({"stage": 2, "cpu_offload": True, **TINY}, True),
+        ({"stage": 1, "cpu_offload": True, "communication": "all_reduce", **TINY}, True),
+        ({"stage": 2, "communication": "all_reduce", **TINY}, True),
+        ({"stage": 2, "overlap_parameter_exchange": False, **TINY}, False),
+    ],
+    ids=["stage1", "stage2", "stage2-offload", "stage1-offload-all-reduce", "stage2-all-reduce", "switched-off"],
+)
+def test_exchange_overlapped_with_the_step_matches_oracle(rank_pool_2, strategy_kwargs, overlapped):
+    results = rank_pool_2.run(overlapped_exchange_body, strategy_kwargs, STEPS)
+    assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
+    for result in results:
+        if overlapped:
+            # Every step went bucket by bucket, over more buckets than may be in flight at once.
+            assert len(result["overlapped_buckets"]) == STEPS
+            assert min(result["overlapped_buckets"]) > 2
+        else:
+            assert result["overlapped_buckets"] == []
+
+
+def test_exchange_overlapped_with_the_step_on_four_ranks_with_empty_shards(rank_pool_4):
+    results = rank_pool_4.run(overlapped_exchange_body, {"stage": 2, **TINY}, 2)
+    assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
+    assert all(len(result["overlapped_buckets"]) == 2 for result in results)
 
 
 def fp16_overflow_body(overflow_at_step: int) -> dict[str, Any]:

@@ -100,7 +100,7 @@ def test_zero2_bytes_per_rank_on_64_gpus_are_the_planners(llama_config_directory
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2, cpu_offload=offload), mesh, cluster.device)
         run_backward_hooks(model)
-        optimizer.step()
+        engine.step_optimizer(optimizer)  # bucket by bucket, each bucket's exchange overlapped (zero/exchange.py)
         engine.after_step(stepped=True)
         measured = zero_model_state_bytes(engine.memory_report()._asdict())
     planned = _planned(llama_config_directory, setting_name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts import optimizer_takeover
@@ -144,3 +145,55 @@ def test_swap_replaces_parameters_and_drops_frozen_ones():
     masters = {id(parameter): parameter.detach().clone() for parameter in model[1].parameters()}
     optimizer_takeover.swap_parameters(optimizer, masters)
     assert [id(tensor) for tensor in optimizer.param_groups[0]["params"]] == [id(m) for m in masters.values()]
+
+
+@pytest.mark.parametrize("name", optimizer_takeover.STEP_EACH_PARAMETER_ALONE)
+def test_optimizers_that_step_each_parameter_alone_give_whole_step_values_in_pieces(name):
+    # The promise the overlapped ZeRO exchange rests on: two narrowed steps equal one whole step, bit for bit.
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 3), torch.randn(7), torch.randn(2, 2)]
+    gradients = [[torch.randn_like(weight) for weight in weights] for _ in range(3)]
+    results = []
+    for in_pieces in (False, True):
+        parameters = [nn.Parameter(weight.clone()) for weight in weights]
+        optimizer = getattr(torch.optim, name)(
+            [{"params": parameters[:2]}, {"params": parameters[2:], "lr": 0.05}], lr=0.1
+        )
+        assert optimizer_takeover.steps_each_parameter_alone(optimizer)
+        for step_gradients in gradients:
+            for parameter, gradient in zip(parameters, step_gradients, strict=True):
+                parameter.grad = gradient.clone()
+            if in_pieces:
+                for piece in ({id(parameters[0]), id(parameters[2])}, {id(parameters[1])}):
+                    with optimizer_takeover.narrowed_to(optimizer, piece):
+                        optimizer.step()
+                assert [len(group["params"]) for group in optimizer.param_groups] == [2, 1]
+            else:
+                optimizer.step()
+        results.append([parameter.detach().clone() for parameter in parameters])
+    for whole, pieces in zip(*results, strict=True):
+        assert torch.equal(whole, pieces)
+    assert not torch.equal(results[0][0], weights[0])
+
+
+def test_optimizers_with_step_hooks_or_their_own_step_are_stepped_whole():
+    parameters = [nn.Parameter(torch.zeros(2))]
+    hooked = torch.optim.SGD(parameters, lr=0.1)
+    hooked.register_step_post_hook(lambda *arguments: None)
+    assert not optimizer_takeover.steps_each_parameter_alone(hooked)
+
+    class OwnStep(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class SameStep(torch.optim.AdamW):
+        pass
+
+    assert not optimizer_takeover.steps_each_parameter_alone(OwnStep(parameters))
+    assert optimizer_takeover.steps_each_parameter_alone(SameStep(parameters))
+    assert not optimizer_takeover.steps_each_parameter_alone(torch.optim.LBFGS(parameters))
+    handle = register_optimizer_step_pre_hook(lambda *arguments: None)
+    try:
+        assert not optimizer_takeover.steps_each_parameter_alone(torch.optim.SGD(parameters, lr=0.1))
+    finally:
+        handle.remove()

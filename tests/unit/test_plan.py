@@ -213,11 +213,13 @@ def test_uneven_rows_and_placement():
     assert model_state(shapes, setting_named("colossal_ddp"), sgd, 4, 0).optimizer_state.total == 4 * 310
 
 
-def test_stage2_bucket_count_mirrors_the_engine():
-    from lightning_colossal.planning.working import STAGE2_BUCKETS_IN_FLIGHT
+def test_zero_buffer_counts_mirror_the_engine():
+    from lightning_colossal.planning.working import EXCHANGES_IN_FLIGHT, STAGE2_BUCKETS_IN_FLIGHT
+    from lightning_colossal.zero.exchange import MAX_EXCHANGES_IN_FLIGHT
     from lightning_colossal.zero.stages import MAX_STAGE2_BUCKETS_IN_FLIGHT
 
     assert STAGE2_BUCKETS_IN_FLIGHT == MAX_STAGE2_BUCKETS_IN_FLIGHT
+    assert EXCHANGES_IN_FLIGHT == MAX_EXCHANGES_IN_FLIGHT
 
 
 # ---------------------------------------------------------------------------------------------- fits and recommendation
