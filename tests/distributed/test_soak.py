@@ -1,4 +1,4 @@
-"""Soak: a few hundred steps per strategy with periodic checkpoints and two resumes, on 2 CPU ranks.
+"""Soak: about two hundred steps per strategy with periodic checkpoints and two resumes, on 2 CPU ranks.
 
 Each strategy trains ``SEGMENTS`` fits of ``EPOCHS_PER_SEGMENT`` epochs; every fit after the first resumes from the
 previous one's last checkpoint with a new Trainer and a new module, as a job restarted by a scheduler would, in the
@@ -34,7 +34,7 @@ from tests.distributed.oracle import make_dataset, quiet_trainer
 
 WIDTH = 512
 SEGMENTS = 3
-EPOCHS_PER_SEGMENT = 12  # 64 samples, 4 per data-parallel rank and step: 8 steps per epoch at 2 ranks (16 under tp=2)
+EPOCHS_PER_SEGMENT = 8  # 64 samples, 4 per data-parallel rank and step: 8 steps per epoch at 2 ranks (16 under tp=2)
 CHECKPOINT_EVERY_N_EPOCHS = 4
 MODEL_BYTES = 4 * (8 * WIDTH + WIDTH + WIDTH * WIDTH + WIDTH + WIDTH + 1)  # fp32 parameters of SoakModule
 SLOPE_BOUND = MODEL_BYTES / 8  # bytes per step
