@@ -384,6 +384,22 @@ def all_gather_into_async(
     return RecordedWork(work, "all_gather", group, input, then)
 
 
+def all_gather_pieces_async(
+    own: list[torch.Tensor], pieces_of: Callable[[int], list[torch.Tensor]], group: ProcessGroup | None = None
+) -> RecordedWork | None:
+    """Start giving every rank each rank's ``own`` tensors in place (``pieces_of(r)``: where rank ``r``'s go, shaped
+    like its ``own``), with point-to-point sends and no staging buffer; only where ``sends_directly(group)``.
+    Returns the handle to ``wait()`` on (``None`` when alone: nothing to receive)."""
+    if not is_initialized() or world_size(group) == 1:
+        return None
+    if not sends_directly(group):
+        raise ValueError(f"all_gather_pieces_async sends point-to-point on gloo only; this group is {backend(group)}.")
+    record = next((piece for piece in own if piece.numel()), own[0] if own else torch.empty(0))
+    with Collective("all_gather", group, record):
+        work = direct_exchange.all_gather_pieces(own, pieces_of, group)
+    return RecordedWork(work, "all_gather", group, record)
+
+
 def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the one of ``source_rank`` (a rank within the group)."""
     if not is_initialized() or world_size(group) == 1:

@@ -108,3 +108,22 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
             output.add_(contribution)
 
     return DirectExchange(works, group_timeout(group), finish)
+
+
+def all_gather_pieces(
+    own: list[torch.Tensor], pieces_of: Callable[[int], list[torch.Tensor]], group: ProcessGroup | None
+) -> DirectExchange:
+    """Start an all-gather without staging: this rank sends each tensor of ``own`` to every other rank, and receives
+    rank ``r``'s tensors straight into ``pieces_of(r)`` (the same count and sizes as rank ``r``'s ``own``, in the same
+    order). Sending from and receiving into the tensors where they live (rows of parameters) saves packing them into
+    a rank-major buffer and unpacking it again. Empty tensors are left out on both sides."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    sent = [piece for piece in own if piece.numel()]
+    works = []
+    for send_to, receive_from in _peers(rank, size):
+        for piece in sent:
+            works.append(dist.isend(piece, group_dst=send_to, group=group))
+        for piece in pieces_of(receive_from):
+            if piece.numel():
+                works.append(dist.irecv(piece, group_src=receive_from, group=group))
+    return DirectExchange(works, group_timeout(group))

@@ -1,8 +1,10 @@
 """After a ZeRO step: every rank's updated rows to every replica, bucket by bucket, optionally overlapped with the step.
 
 [Note: parameter exchange per backend]
-After a step each rank owns fresh rows of every parameter. By default they are all-gathered as a rank-major buffer
-(NCCL's all-gather, or point-to-point sends on gloo). With ``communication="all_reduce"`` each rank writes its rows
+After a step each rank owns fresh rows of every parameter. By default they are all-gathered: NCCL's all-gather of a
+rank-major buffer, or on gloo point-to-point sends of each parameter's rows straight from and into the parameters
+(rows along dim 0 are contiguous, so nothing is packed or unpacked; a parameter whose data is not contiguous goes
+through the rank-major buffer). With ``communication="all_reduce"`` each rank writes its rows
 into a zeroed full-size buffer and all-reduces it: since the owned rows partition the parameter, the sum is exactly
 the gathered tensor ([Note: exchanges per backend] in ``distributed/collectives.py``). The exchange works bucket by
 bucket in buffers the reducer already has: stage 1's gradient buffers (their contents are spent once the bucket
@@ -34,6 +36,7 @@ from torch.optim import Optimizer
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
 from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
+from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.engine_parts.staging import copy_out_of_flat, own_rows_into_whole, rows_from_slots
 from lightning_colossal.zero.reducer import Bucket, GradientReducer, ReducedParameter
 
@@ -56,6 +59,7 @@ class ParameterExchange:
         self.process_group = process_group
         self.use_scatter_gather = use_scatter_gather
         self.world_size = collectives.world_size(process_group)
+        self.rank = collectives.rank(process_group)
 
     def all_buckets(self) -> None:
         """Exchange every bucket, each finished before the next starts."""
@@ -70,9 +74,24 @@ class ParameterExchange:
     def start(self, bucket: Bucket) -> RecordedWork | None:
         """Start exchanging ``bucket``'s rows; the parameters hold every rank's rows once the handle was waited for
         (at once when ``None`` is returned)."""
-        if self.use_scatter_gather:
-            return self._start_all_gather(bucket.members, bucket.dtype)
-        return self._start_all_reduce(bucket)
+        if not self.use_scatter_gather:
+            return self._start_all_reduce(bucket)
+        if collectives.sends_directly(self.process_group) and all(
+            member.parameter.data.is_contiguous() for member in bucket.members
+        ):
+            return self._start_rows_in_place(bucket.members)
+        return self._start_all_gather(bucket.members, bucket.dtype)
+
+    def _start_rows_in_place(self, members: list[ReducedParameter]) -> RecordedWork | None:
+        """Point-to-point sends on gloo: each rank's rows go from its parameters straight into the other ranks'
+        parameters, with no rank-major buffer to pack and unpack ([Note: parameter exchange per backend])."""
+        # A replicated parameter keeps its own value (engine.py [Note: replicated parameters follow rank 0]).
+        sharded = [member for member in members if not member.spec.replicated]
+
+        def rows_of(rank: int) -> list[Tensor]:
+            return [_rows_of_rank(member, rank) for member in sharded]
+
+        return collectives.all_gather_pieces_async(rows_of(self.rank), rows_of, group=self.process_group)
 
     def _start_all_reduce(self, bucket: Bucket) -> RecordedWork | None:
         total = sum(member.parameter.numel() for member in bucket.members)
@@ -119,6 +138,12 @@ class ParameterExchange:
             self.reducer.release(gathered)
 
         return collectives.all_gather_into_async(gathered, send, group=self.process_group, then=finish)
+
+
+def _rows_of_rank(member: ReducedParameter, rank: int) -> Tensor:
+    """The rows of ``member``'s parameter that ``rank`` owns, as a flat view of the parameter's (contiguous) data."""
+    spec = shard_spec(member.parameter.shape, member.spec.world_size, rank)
+    return member.parameter.data.view(-1)[spec.row_start * spec.row_numel : spec.row_end * spec.row_numel]
 
 
 def owned_rows(member: ReducedParameter) -> Tensor:
