@@ -8,6 +8,8 @@ rank must also hold exactly the same weights as every other rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -114,23 +116,30 @@ def test_communication_settings_still_match_oracle(rank_pool_2, strategy_kwargs)
     assert_matches_oracle(results, oracle_train(world_size=2, steps=STEPS, accumulate=2, clip_norm=0.05), 2, **FP32)
 
 
-def overlapped_exchange_body(strategy_kwargs: dict[str, Any], steps: int) -> dict[str, Any]:
-    """``train_zero_body`` with accumulation and a clip, counting the steps that went bucket by bucket with each
-    bucket's exchange overlapped ([Note: exchange overlapped with the step])."""
+@contextmanager
+def counted_overlapped_steps() -> Iterator[list[int]]:
+    """Inside: each optimizer step that went bucket by bucket with the exchanges overlapped ([Note: exchange
+    overlapped with the step]) appends its number of buckets to the yielded list."""
     from lightning_colossal.zero import engine as engine_module
 
     original = engine_module.step_overlapping_exchange
     overlapped: list[int] = []
 
     def counted(*args: Any, **kwargs: Any) -> None:
-        overlapped.append(len(args[2]))  # the number of buckets stepped one at a time
+        overlapped.append(len(args[2]))  # the buckets stepped one at a time
         original(*args, **kwargs)
 
     engine_module.step_overlapping_exchange = counted
     try:
-        result = train_zero_body(steps, 2, 0.05, "norm", "32-true", strategy_kwargs)
+        yield overlapped
     finally:
         engine_module.step_overlapping_exchange = original
+
+
+def overlapped_exchange_body(strategy_kwargs: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``train_zero_body`` with accumulation and a clip, and the overlapped steps' bucket counts."""
+    with counted_overlapped_steps() as overlapped:
+        result = train_zero_body(steps, 2, 0.05, "norm", "32-true", strategy_kwargs)
     return {**result, "overlapped_buckets": overlapped}
 
 
@@ -166,6 +175,29 @@ def test_exchange_overlapped_with_the_step_on_four_ranks_with_empty_shards(rank_
     results = rank_pool_4.run(overlapped_exchange_body, {"stage": 2, **TINY}, 2)
     assert_matches_oracle(results, oracle_train(world_size=4, steps=2, accumulate=2, clip_norm=0.05), 2, **FP32)
     assert all(len(result["overlapped_buckets"]) == 2 for result in results)
+
+
+def overlapped_and_after_body(strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+    results: dict[Any, Any] = {}
+    for overlap in (True, False):
+        strategy = ZeroStrategy(**strategy_kwargs, overlap_parameter_exchange=overlap, **TINY)
+        with counted_overlapped_steps() as overlapped:
+            results[overlap] = train_and_record(strategy, STEPS, 2, 0.05, "norm", "bf16-true")
+        results[overlap]["overlapped_steps"] = len(overlapped)
+    return results
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_weights_train_the_same_with_the_exchange_overlapped_or_after_the_step(rank_pool_2, stage):
+    # bf16 parameters get separate fp32 masters, written into the parameters bucket by bucket when overlapped.
+    results = rank_pool_2.run(overlapped_and_after_body, {"stage": stage})
+    for result in results:
+        overlapped, after = result[True], result[False]
+        assert (overlapped["overlapped_steps"], after["overlapped_steps"]) == (STEPS, 0)
+        assert overlapped["losses"] == after["losses"]
+        for name, value in after["parameters"].items():
+            assert torch.equal(overlapped["parameters"][name], value), name
+    _assert_trained(results[0][True]["parameters"])
 
 
 def fp16_overflow_body(overflow_at_step: int) -> dict[str, Any]:

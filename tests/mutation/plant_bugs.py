@@ -184,7 +184,7 @@ BUGS = [
         "zero-overlap-stale-rows",
         "ZeRO's step overlapped with the exchange sends the offloaded masters' rows before writing them into the parameters",
         (("lightning_colossal/zero/exchange.py", "            publish_rows(bucket)\n", "            pass\n"),),
-        (f"{DIST}/test_zero_oracle.py::-k overlapped", NEW_SCALE),
+        (f"{DIST}/test_zero_oracle.py::-k overlapped or bf16_weights", NEW_SCALE),
     ),
 ]
 
