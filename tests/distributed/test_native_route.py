@@ -42,7 +42,13 @@ def on_native_route(body_name: str, *arguments: Any) -> dict[str, Any]:
 CASES = {
     "zero2": ("zero", 1, None, {"stage": 2}),
     "zero2-offload-clip-acc2": ("zero", 2, 0.05, {"stage": 2, "cpu_offload": True}),
-    "zero2-scatter-gather": ("zero", 1, None, {"stage": 2, "communication": "scatter_gather"}),
+    # Tiny buckets: the step goes bucket by bucket with NCCL's all-gathers of rank-major buffers in flight beside it.
+    "zero2-scatter-gather-overlapped": (
+        "zero",
+        1,
+        None,
+        {"stage": 2, "communication": "scatter_gather", "bucket_size_mb": 0.0001},
+    ),
     "gemini-static": ("gemini", 1, None, {"placement": PLACEMENTS["static"]}),
     "gemini-offload-params-clip": (
         "gemini",
