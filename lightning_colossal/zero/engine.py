@@ -133,7 +133,8 @@ class ZeroEngine(EngineDiskTier):
         ]
         master_of.update({id(entry.master): entry.master for entry in self.whole_entries})
         optimizer_takeover.swap_parameters(optimizer, master_of)
-        # See exchange.py [Note: parameter exchange per backend]; stages.py's [Note: ZeRO-2 reduction per backend] for gradients.
+        # See exchange.py [Note: parameter exchange per backend]; for gradients, stages.py's [Note: ZeRO-2 reduction
+        # per backend].
         self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
         self.reducer = self._build_reducer()
         self.exchange = ParameterExchange(self.reducer, self.process_group, self.use_scatter_gather)
