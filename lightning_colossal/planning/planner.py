@@ -24,7 +24,7 @@ from lightning_colossal.planning.activations import (
 from lightning_colossal.planning.disk_tier import DISK_FRACTIONS, Disk, io_seconds
 from lightning_colossal.planning.experts import all_to_all_bytes_per_step, expert_parallel_state, moe_layers
 from lightning_colossal.planning.model_shape import ModelShape
-from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, disk_records_of, model_state
+from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, model_state
 from lightning_colossal.planning.settings import (
     DISK_BASES,
     Setting,
@@ -176,7 +176,7 @@ def evaluate(
     if on_disk and hardware.disk is None:
         raise ValueError(f"{setting.label} keeps state on disk: describe the disk (Hardware.disk) to weigh it.")
     disk = hardware.disk
-    records = disk_records_of(model.shapes, setting, training, data_parallel, 0)  # as working_memory counts them
+    records = working.disk_records
     how, notes = _how(setting, workload)
     if setting.sp_size > 1:
         notes += _ring_notes(model, setting, training, workload)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.planning.chunks import chunk_layout
+from lightning_colossal.planning.disk_tier import DiskRecords
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import FP32, Placed, Training, disk_records_of
 from lightning_colossal.planning.settings import Setting
@@ -41,6 +42,8 @@ class Working:
 
     placed: Placed
     what: str
+    #: The rank's records in the disk tier, whose staging buffers ``placed`` counts (none without the tier).
+    disk_records: DiskRecords = DiskRecords()
 
 
 def _zero_buffers(shapes: Sequence[tuple[int, ...]], training: Training, stage: int, world_size: int) -> Working:
@@ -91,6 +94,7 @@ def working_memory(model: ModelShape, setting: Setting, training: Training, worl
     return Working(
         working.placed + Placed(host=records.staging_bytes),
         f"{working.what} + up to 3 staging records of the disk tier on the host",
+        records,
     )
 
 
