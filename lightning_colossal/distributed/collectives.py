@@ -400,6 +400,27 @@ def all_gather_pieces_async(
     return RecordedWork(work, "all_gather", group, record)
 
 
+def reduce_scatter_pieces_async(
+    pieces_for: Callable[[int], list[torch.Tensor]],
+    pieces_from: Callable[[int], list[torch.Tensor]],
+    group: ProcessGroup | None = None,
+) -> RecordedWork | None:
+    """Start sending each other rank ``r`` its pieces (``pieces_for(r)``, rows of this rank's gradients where they
+    live) and receiving theirs for this rank into ``pieces_from(r)``: a reduce-scatter without staging, whose sum the
+    caller adds up in rank order; only where ``sends_directly(group)``. ``None`` when alone."""
+    if not is_initialized() or world_size(group) == 1:
+        return None
+    if not sends_directly(group):
+        raise ValueError(
+            f"reduce_scatter_pieces_async sends point-to-point on gloo only; this group is {backend(group)}."
+        )
+    pieces = pieces_for((rank(group) + 1) % world_size(group))
+    record = next((piece for piece in pieces if piece.numel()), pieces[0] if pieces else torch.empty(0))
+    with Collective("reduce_scatter", group, record):
+        work = direct_exchange.exchange_pieces(pieces_for, pieces_from, group)
+    return RecordedWork(work, "reduce_scatter", group, record)
+
+
 def broadcast_tensor(tensor: torch.Tensor, source_rank: int = 0, group: ProcessGroup | None = None) -> None:
     """Overwrite ``tensor`` on every rank of ``group`` with the one of ``source_rank`` (a rank within the group)."""
     if not is_initialized() or world_size(group) == 1:

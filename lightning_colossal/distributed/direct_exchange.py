@@ -117,13 +117,24 @@ def all_gather_pieces(
     rank ``r``'s tensors straight into ``pieces_of(r)`` (the same count and sizes as rank ``r``'s ``own``, in the same
     order). Sending from and receiving into the tensors where they live (rows of parameters) saves packing them into
     a rank-major buffer and unpacking it again. Empty tensors are left out on both sides."""
+    return exchange_pieces(lambda rank: own, pieces_of, group)
+
+
+def exchange_pieces(
+    pieces_for: Callable[[int], list[torch.Tensor]],
+    pieces_from: Callable[[int], list[torch.Tensor]],
+    group: ProcessGroup | None,
+) -> DirectExchange:
+    """Start sending ``pieces_for(r)`` to every other rank ``r`` and receiving rank ``r``'s pieces for this rank into
+    ``pieces_from(r)`` (rank ``r``'s ``pieces_for(this rank)``: same count, sizes and order). Empty tensors are left
+    out on both sides."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    sent = [piece for piece in own if piece.numel()]
     works = []
     for send_to, receive_from in _peers(rank, size):
-        for piece in sent:
-            works.append(dist.isend(piece, group_dst=send_to, group=group))
-        for piece in pieces_of(receive_from):
+        for piece in pieces_for(send_to):
+            if piece.numel():
+                works.append(dist.isend(piece, group_dst=send_to, group=group))
+        for piece in pieces_from(receive_from):
             if piece.numel():
                 works.append(dist.irecv(piece, group_src=receive_from, group=group))
     return DirectExchange(works, group_timeout(group))

@@ -41,6 +41,7 @@ class ReducedParameter:
     bucket_index: int = -1
     bucket_offset: int = 0  # stage 1: offset in the bucket's gradient buffer; stage 2: offset in each rank slot
     accumulator_offset: int = 0  # stage 2: offset of this rank's rows in the fp32 accumulator
+    bucket_position: int = 0  # index in its bucket's members
 
 
 @dataclass
@@ -52,6 +53,10 @@ class Bucket:
     pending: int = 0
     work: RecordedWork | None = None
     own_slot: Tensor | None = None  # stage 2, while in flight: where this rank's slot of the sum arrives
+    # Stage 2 sending in place (stages.py [Note: ZeRO-2 reduction per backend]): each member's flat gradient of this
+    # backward (None: none on this rank), and the other ranks' contributions to this rank's slot.
+    held: list[Tensor | None] | None = None
+    received: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,9 @@ class GradientReducer:
     def _add_bucket(self, members: list[ReducedParameter], dtype: torch.dtype) -> None:
         index = len(self.buckets)
         offset = 0
-        for member in members:
+        for position, member in enumerate(members):
             member.bucket_index = index
+            member.bucket_position = position
             member.bucket_offset = offset
             offset += self.bucket_numel_of(member)
         bucket = Bucket(members=members, dtype=dtype, numel=offset)

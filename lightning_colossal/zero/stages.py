@@ -9,7 +9,9 @@ fp32 accumulator of this rank's rows only.
 Stage 2 needs each rank to end with the sum of its own rows: a reduce-scatter of the rank-major staging buffer (the
 default; point-to-point on gloo), or, with ``communication="all_reduce"``, an all-reduce of the same buffer after
 which each rank keeps its slot (``collectives.reduce_own_slot_async``, [Note: exchanges per backend]). Both give the
-same sums.
+same sums. On gloo's point-to-point route nothing is staged: each gradient is held as autograd produced it until its
+bucket is reduced, every other rank's rows go to that rank straight from it, and the contributions to this rank's
+rows are added up in rank order, as the staged reduce-scatter adds them (same bits; ``direct_exchange.py``).
 
 [Note: bounded staging]
 Stage 2's staging buffers come from a small pool and go back to it once their bucket is reduced; at most
@@ -126,6 +128,9 @@ class Stage2Reducer(GradientReducer):
             member.accumulator_offset = offset
             offset += member.spec.local_numel
         self.accumulator = torch.zeros(offset, dtype=torch.float32, device=self.device)
+        #: Send rows straight from the held gradients instead of staging them ([Note: ZeRO-2 reduction per backend]).
+        self.sends_in_place = use_reduce_scatter and collectives.sends_directly(self.process_group)
+        self._zeros: dict[torch.dtype, Tensor] = {}  # what a member without a gradient on this rank sends
 
     def bucket_numel_of(self, member: ReducedParameter) -> int:
         return member.spec.slot_numel
@@ -154,15 +159,24 @@ class Stage2Reducer(GradientReducer):
         return bucket.gradients
 
     def _take_gradient(self, member: ReducedParameter, bucket: Bucket) -> None:
-        """Copy a fresh gradient into every rank's slot of the staging buffer, then free it."""
+        """Copy a fresh gradient into every rank's slot of the staging buffer (or, sending in place, hold it until
+        the bucket is reduced), then free ``.grad``."""
         parameter = member.parameter
         gradient = parameter.grad
         assert gradient is not None
+        if self.sends_in_place:
+            if bucket.held is None:
+                bucket.held = [None] * len(bucket.members)
+            bucket.held[member.bucket_position] = gradient.reshape(-1)
+            parameter.grad = None
+            return
         slots = self._staging(bucket).view(self.world_size, bucket.numel)
         rows_into_slots(gradient.reshape(-1), member.spec, slots, member.bucket_offset)
         parameter.grad = None
 
     def _start_reduction(self, bucket: Bucket) -> RecordedWork | None:
+        if self.sends_in_place:
+            return self._start_in_place(bucket)
         staging = self._staging(bucket)  # a bucket no member gave a gradient on this rank takes part with zeros
         output = self.acquire(bucket.dtype, bucket.numel) if self.use_reduce_scatter else None
         work, bucket.own_slot = collectives.reduce_own_slot_async(
@@ -170,7 +184,66 @@ class Stage2Reducer(GradientReducer):
         )
         return work
 
+    def _rows_for(self, bucket: Bucket, member: ReducedParameter, rank: int) -> Tensor:
+        """What this rank contributes to ``rank``'s rows of ``member``: rows of the held gradient, or zeros."""
+        spec = member.spec
+        start, end = (0, 1) if spec.replicated else spec.rows_of(rank)  # a replicated value goes to every rank
+        held = bucket.held[member.bucket_position] if bucket.held is not None else None
+        if held is not None:
+            return held[start * spec.row_numel : end * spec.row_numel]
+        zeros = self._zeros.get(bucket.dtype)
+        if zeros is None:
+            largest = max(other.spec.slot_numel for other in self._member_of.values())
+            zeros = self._zeros[bucket.dtype] = torch.zeros(largest, dtype=bucket.dtype, device=self.device)
+        return zeros[: (end - start) * spec.row_numel]
+
+    def _start_in_place(self, bucket: Bucket) -> RecordedWork | None:
+        others = self.world_size - 1
+        received = bucket.received = self.acquire(bucket.dtype, others * bucket.numel)
+        slots = received.view(others, bucket.numel)
+        me = collectives.rank(self.process_group)
+
+        def pieces_for(rank: int) -> list[Tensor]:
+            return [self._rows_for(bucket, member, rank) for member in bucket.members]
+
+        def pieces_from(rank: int) -> list[Tensor]:
+            slot = slots[rank - (rank > me)]
+            return [
+                slot[member.bucket_offset : member.bucket_offset + member.spec.local_numel] for member in bucket.members
+            ]
+
+        return collectives.reduce_scatter_pieces_async(pieces_for, pieces_from, self.process_group)
+
+    def _complete_in_place(self, bucket: Bucket) -> None:
+        assert bucket.received is not None
+        slots = bucket.received.view(self.world_size - 1, bucket.numel)
+        me = collectives.rank(self.process_group)
+        total = self.acquire(bucket.dtype, bucket.numel)
+        for member in bucket.members:
+            numel = member.spec.local_numel
+            if numel == 0:
+                continue
+            offset = member.bucket_offset
+            contributions = [
+                self._rows_for(bucket, member, me) if rank == me else slots[rank - (rank > me), offset : offset + numel]
+                for rank in range(self.world_size)
+            ]
+            # Added in rank order in the bucket's dtype, then averaged into the accumulator: the staged route's bits.
+            summed = total[offset : offset + numel]
+            summed.copy_(contributions[0])
+            for contribution in contributions[1:]:
+                summed.add_(contribution)
+            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
+            target.add_(summed, alpha=1.0 / self.world_size)
+        self.release(total)
+        self.release(bucket.received)
+        bucket.received = None
+        bucket.held = None
+
     def _complete(self, bucket: Bucket) -> None:
+        if self.sends_in_place:
+            self._complete_in_place(bucket)
+            return
         assert bucket.gradients is not None and bucket.own_slot is not None
         own_slot = bucket.own_slot
         for member in bucket.members:

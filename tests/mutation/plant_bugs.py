@@ -186,6 +186,18 @@ BUGS = [
         (("lightning_colossal/zero/exchange.py", "            publish_rows(bucket)\n", "            pass\n"),),
         (f"{DIST}/test_zero_oracle.py::-k overlapped or bf16_weights", NEW_SCALE),
     ),
+    Bug(
+        "zero2-sum-in-place",
+        "ZeRO-2 on gloo's point-to-point route sums the received gradient rows instead of averaging them",
+        (
+            (
+                "lightning_colossal/zero/stages.py",
+                "target.add_(summed, alpha=1.0 / self.world_size)",
+                "target.add_(summed, alpha=1.0)",
+            ),
+        ),
+        (f"{DIST}/test_zero_oracle.py", NEW_SCALE),
+    ),
 ]
 
 
