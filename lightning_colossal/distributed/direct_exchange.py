@@ -21,11 +21,23 @@ Each rank sends (n−1)/n of the payload, the ring algorithms' figure; the scrat
 exactly one message per direction per call, and every rank issues its calls on a group in the same order, so
 messages match by order without tags. Sends and receives are posted at once and progress in gloo's transport while
 the caller computes; ``is_completed()`` turns true only once ``wait()`` ran, because gloo marks point-to-point work
-complete there. A receive waits at most the group's timeout, like any gloo collective.
+complete there, unless the exchange is *watched* ([Note: a thread that watches exchanges]). A receive waits at most the
+group's timeout, like any gloo collective.
+
+[Note: a thread that watches exchanges]
+A caller that retires exchanges as they finish, without blocking (Gemini's gradient reductions, which must not be
+waited for before the last gather round), needs ``is_completed()`` to turn true by itself. gloo's point-to-point
+work never does that before ``wait()``, so a watched exchange is handed to one daemon thread per process
+(``_Watcher``), which waits for the exchanges in the order they were started (the order their callers retire them)
+and marks each one arrived. The caller's ``wait()`` then only waits for that mark, re-raises what the watcher's wait
+raised (a timeout, a peer gone), and runs ``finish`` (the sum) on the caller's thread, so the arithmetic and its
+order stay where they were. ``work.wait`` releases the GIL, so the watcher costs the caller nothing while it waits.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -35,31 +47,93 @@ from torch.distributed import ProcessGroup
 
 
 class DirectExchange:
-    """The sends and receives of one exchange; ``wait()`` waits for all of them, then runs ``finish`` once."""
+    """The sends and receives of one exchange; ``wait()`` waits for all of them, then runs ``finish`` once. With
+    ``watched``, a thread waits for them as soon as they start, so ``is_completed()`` turns true by itself ([Note: a
+    thread that watches exchanges])."""
 
-    __slots__ = ("_works", "_finish", "_timeout")
+    __slots__ = ("_works", "_finish", "_timeout", "_arrived", "_failure")
 
     def __init__(
-        self, works: list[dist.Work], timeout: timedelta | None, finish: Callable[[], None] | None = None
+        self,
+        works: list[dist.Work],
+        timeout: timedelta | None,
+        finish: Callable[[], None] | None = None,
+        watched: bool = False,
     ) -> None:
         self._works = works
         self._timeout = timeout
         self._finish = finish
+        self._arrived: threading.Event | None = None
+        self._failure: BaseException | None = None
+        if watched and works:
+            self._arrived = threading.Event()
+            _watcher().watch(self)
 
-    def wait(self) -> bool:
+    def _wait_for_works(self) -> None:
         works, self._works = self._works, []
         for work in works:
             if self._timeout is None:
                 work.wait()
             else:
                 work.wait(self._timeout)
+
+    def _watch(self) -> None:
+        """On the watcher's thread: wait for the works, keep what failed, mark the exchange arrived."""
+        try:
+            self._wait_for_works()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller's wait() to raise there
+            self._failure = error
+        finally:
+            assert self._arrived is not None
+            self._arrived.set()
+
+    def wait(self) -> bool:
+        if self._arrived is None:
+            self._wait_for_works()
+        else:
+            self._arrived.wait()
+            failure, self._failure = self._failure, None
+            if failure is not None:
+                self._finish = None
+                raise failure
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
         return True
 
     def is_completed(self) -> bool:
+        if self._arrived is not None:
+            return self._arrived.is_set()
         return not self._works and self._finish is None
+
+
+class _Watcher:
+    """The daemon thread of [Note: a thread that watches exchanges]: waits for watched exchanges in start order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[DirectExchange] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="lightning_colossal exchange watcher", daemon=True)
+        self.thread.start()
+
+    def watch(self, exchange: DirectExchange) -> None:
+        self._queue.put(exchange)
+
+    def _run(self) -> None:
+        while True:
+            self._queue.get()._watch()
+
+
+_WATCHER: _Watcher | None = None
+_WATCHER_LOCK = threading.Lock()
+
+
+def _watcher() -> _Watcher:
+    """This process's watcher, started on first use (and again in a forked child, where the thread did not survive)."""
+    global _WATCHER
+    with _WATCHER_LOCK:
+        if _WATCHER is None or not _WATCHER.thread.is_alive():
+            _WATCHER = _Watcher()
+        return _WATCHER
 
 
 def group_timeout(group: ProcessGroup | None) -> timedelta | None:
@@ -89,8 +163,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     return DirectExchange(works, group_timeout(group))
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None) -> DirectExchange:
-    """Start summing slot ``rank`` of the rank-major flat ``input`` over every rank into ``output``."""
+def reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, watched: bool = False
+) -> DirectExchange:
+    """Start summing slot ``rank`` of the rank-major flat ``input`` over every rank into ``output`` (``watched``:
+    [Note: a thread that watches exchanges])."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     slots = input.view(size, -1)
     # One scratch slot per other rank, in rank order with this rank's left out.
@@ -107,7 +184,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         for contribution in contributions[1:]:
             output.add_(contribution)
 
-    return DirectExchange(works, group_timeout(group), finish)
+    return DirectExchange(works, group_timeout(group), finish, watched)
 
 
 def all_gather_pieces(

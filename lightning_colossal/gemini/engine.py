@@ -113,9 +113,6 @@ class GeminiEngine(EngineDiskTier):
             compute_device,
             scatter_gather,
             self.reduce_group,
-            # See manager.py [Note: chunk collectives per backend] for why gloo all-reduces gradients by default.
-            reduce_scatter=scatter_gather
-            and (config.communication == "scatter_gather" or not collectives.sends_directly(self.process_group)),
         )
         self.chunk_of: dict[int, tuple[Chunk, int]] = {
             id(parameter): (chunk, position)

@@ -7,12 +7,14 @@ engine's checkpoint and end-of-run paths in ``checkpoint_state``) decides *when*
 By default (``communication="auto"``) a gather all-gathers rank-major slots and copies them out into the chunk's
 parameter-major layout, and a gradient is staged into rank-major slots and reduce-scattered: NCCL's collectives, or
 on gloo the point-to-point exchanges of ``distributed/direct_exchange.py`` ([Note: exchanges per backend] in
-``distributed/collectives.py``). One exception: on gloo, ``"auto"`` still all-reduces gradients. Reductions in
-backward retire when their handle reports completion (``complete_reductions``; they cannot be waited for before the
-last gather round, hooks.py [Note: gathering in rounds]), and gloo reports a point-to-point exchange complete only
-once it was waited for: every chunk's full gradient would stay in flight to the end of backward, the whole model
-instead of a few chunks (measured by ``test_working_set_is_a_few_chunks_not_the_model``). ``"scatter_gather"``
-forces the exchange anyway, so CPU tests cover the slot layout NCCL uses. With ``communication="all_reduce"`` a gather writes this rank's rows into a zeroed
+``distributed/collectives.py``; ``"scatter_gather"`` forces them where ``"auto"`` would not, so CPU tests cover the
+slot layout NCCL uses). Reductions in backward retire when their handle reports completion
+(``complete_reductions``; they cannot be waited for before the last gather round, hooks.py [Note: gathering in
+rounds]). gloo reports a point-to-point exchange complete only once it was waited for, which would keep every
+chunk's full gradient in flight to the end of backward, the whole model instead of a few chunks (measured by
+``test_working_set_is_a_few_chunks_not_the_model``); so reductions are *watched* exchanges, which a thread waits for
+as they arrive (``direct_exchange.py`` [Note: a thread that watches exchanges]).
+With ``communication="all_reduce"`` a gather writes this rank's rows into a zeroed
 parameter-major buffer and all-reduces it (the rows partition every parameter, so the sum is the gathered chunk), and
 a gradient is all-reduced in its own layout, keeping the own rows. Both routes give identical results and both are
 tested. Both gathers can run ahead of the module that needs them (prefetch); the copy-out of the first happens in
@@ -327,7 +329,9 @@ class ChunkManager:
             for member in chunk.spec.members:
                 rows_into_slots(_flat_member(full, member), member.spec, staging, member.slot_offset)
             self.buffers.give_back(full)
-            work, received = collectives.reduce_own_slot_async(staging.view(-1), self.reduce_group, scatter=True)
+            work, received = collectives.reduce_own_slot_async(
+                staging.view(-1), self.reduce_group, scatter=True, reports_completion=True
+            )
             self._pending.append(_PendingReduction(chunk, work, received, staging, rank_major=True))
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)

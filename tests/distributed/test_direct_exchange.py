@@ -72,3 +72,54 @@ def test_four_ranks_get_exact_slots_and_sums(rank_pool_4, dtype_name, asynchrono
 def test_two_ranks(rank_pool_2):
     for result in rank_pool_2.run(exchange_body, "float32", True):
         assert result["sum_exact"] and result["gather_exact"]
+
+
+def watched_body(count: int) -> dict[str, Any]:
+    """``count`` watched reduce-scatters in flight at once ([Note: a thread that watches exchanges]): each must turn
+    complete without a ``wait()``, and ``wait()`` must then give the rank-order sum."""
+    import time
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs = [
+        _contribution(source + 10 * index, world_size, torch.float32)
+        for index in range(count)
+        for source in range(world_size)
+    ]
+    outputs, works = [], []
+    for index in range(count):
+        output = torch.full((SLOT,), float("nan"))
+        own = inputs[index * world_size + rank].clone()
+        work, received = collectives.reduce_own_slot_async(
+            own, None, scatter=True, output=output, reports_completion=True
+        )
+        outputs.append(received)
+        works.append(work)
+    deadline = time.monotonic() + 30
+    while not all(work.is_completed() for work in works) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    completed_without_wait = all(work.is_completed() for work in works)
+    for work in works:
+        work.wait()
+    exact = []
+    for index, output in enumerate(outputs):
+        expected = inputs[index * world_size].view(world_size, SLOT)[rank].clone()
+        for source in range(1, world_size):
+            expected += inputs[index * world_size + source].view(world_size, SLOT)[rank]
+        exact.append(torch.equal(output, expected))
+    # A plain exchange after the watched ones still matches in order on the same group.
+    gathered = torch.empty(world_size * SLOT)
+    collectives.all_gather_into(gathered, inputs[rank][:SLOT])
+    return {
+        "completed_without_wait": completed_without_wait,
+        "exact": exact,
+        "gather_exact": torch.equal(gathered, torch.cat([inputs[source][:SLOT] for source in range(world_size)])),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_watched_exchanges_complete_by_themselves_and_sum_in_rank_order(request, world_size):
+    pool = request.getfixturevalue(f"rank_pool_{world_size}")
+    for rank, result in enumerate(pool.run(watched_body, 3)):
+        assert result["completed_without_wait"], f"rank {rank}: a watched exchange never reported completion"
+        assert all(result["exact"]), f"rank {rank}: a watched reduce-scatter is not the rank-order sum"
+        assert result["gather_exact"]
