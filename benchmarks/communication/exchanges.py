@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -73,6 +74,7 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, Any], str]] = {
     "colossal_zero2_all_reduce": ("colossal_zero2", {"communication": "all_reduce"}, "zero"),
     "colossal_zero2_scatter_gather": ("colossal_zero2", {"communication": "scatter_gather"}, "zero"),
     # The default route ("auto"): on gloo, point-to-point gathers (and ZeRO's reduce-scatter), see collectives.py.
+    "colossal_zero1": ("colossal_zero1", {}, "zero"),
     "colossal_zero2": ("colossal_zero2", {}, "zero"),
     "colossal_gemini": ("colossal_gemini", {}, "zero3"),
     "colossal_gemini_all_reduce": ("colossal_gemini", {"communication": "all_reduce"}, "zero3"),
@@ -306,6 +308,29 @@ def cpu_clocks() -> tuple[float, float, float]:
     every world size.
     """
     return time.thread_time(), time.process_time(), time.perf_counter()
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (``VmRSS`` of ``/proc/self/status``).
+
+    [Note: training memory per rank]
+    A rank's training memory is its peak resident memory (``ru_maxrss``, over the whole process) less its resident
+    memory just before the model is built: what the model, its gradients, the optimizer state, the strategy's buffers
+    and the activations added to an interpreter that had already imported torch and Lightning. On CPU ranks that is
+    the figure the planner's ``host_bytes_per_rank`` predicts. It also holds what the allocator keeps and does not
+    return (glibc arenas), so it is an upper figure, and the counting dispatch mode's records of the probed steps
+    (a few MB).
+    """
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS line in /proc/self/status: these measurements need Linux")
+
+
+def peak_resident_bytes() -> int:
+    """The most resident memory this process has had so far (``ru_maxrss``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def socket_counters() -> tuple[int, int]:
@@ -555,6 +580,10 @@ class _CommunicationRecorder:
         self.ddp_bucket_bytes: list[int] | None = None
         self.unknown_ops: list[str] = []
         self.gemini_chunks: dict[str, int] | None = None
+        # [Note: training memory per rank]: the peak by the start of training (set-up: the model built, sharded,
+        # the optimizer made) and the resident memory at the end of the last probed step (the steady state).
+        self.peak_resident_bytes_at_train_start = 0
+        self.resident_bytes_after_probed_steps = 0
         self._probed_steps = probed_steps
         self._first, self._last = min(probed_steps), max(probed_steps)
         self._counter: Any = None
@@ -593,6 +622,7 @@ class _CommunicationRecorder:
         )
         self._socket_mark, self._record_mark, self._cpu_mark = socket_now, len(self._counter.records), cpu_now
         if batch_idx == self._last:
+            self.resident_bytes_after_probed_steps = resident_bytes()
             self._counter.__exit__(None, None, None)
             self.unknown_ops = self._counter.unknown
             self._counter = None
@@ -623,6 +653,9 @@ def _make_probe(probed_steps: list[int]) -> Any:
         loop between the two (it broadcasts a SIGTERM flag before every batch), then forward, backward, the strategy's
         work after backward and the optimizer step. ``phase`` follows Lightning's hooks.
         """
+
+        def on_train_start(self, trainer: Trainer, module: LightningModule) -> None:
+            self.peak_resident_bytes_at_train_start = peak_resident_bytes()
 
         def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, batch_idx: int) -> None:
             self._phase("forward")
@@ -678,6 +711,7 @@ def training_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     )
     loader = DataLoader(dataset, batch_size=spec["batch_size_per_rank"], shuffle=False, drop_last=True)
     probe = _make_probe(spec["probed_steps"])
+    resident_before_model = resident_bytes()
     train_on_cpu(
         build_strategy(spec["strategy"], spec["init_args"]),
         spec["world_size"],
@@ -688,6 +722,11 @@ def training_main(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     )
     return {
         "rank": rank,
+        # [Note: training memory per rank]
+        "resident_bytes_before_model": resident_before_model,
+        "peak_resident_bytes": peak_resident_bytes(),
+        "peak_resident_bytes_at_train_start": probe.peak_resident_bytes_at_train_start,
+        "resident_bytes_after_probed_steps": probe.resident_bytes_after_probed_steps,
         "steps": probe.steps,
         "unknown_ops": probe.unknown_ops,
         "ddp_bucket_bytes": probe.ddp_bucket_bytes,
