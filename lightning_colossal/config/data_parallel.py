@@ -89,6 +89,8 @@ class ZeroConfig:
             ``cpu_offload``.
         disk_fraction: share of the offloaded optimizer state (Adam's moments, SGD's momentum), counted in parameter
             order from the first, that lives on disk between steps under ``offload_dir``.
+        masters_on_disk: keep the fp32 masters of the shards whose optimizer state is on disk (``disk_fraction``) in
+            the same disk records, so host memory holds neither; needs ``disk_fraction`` and ``offload_dir``.
     """
 
     stage: int = 1
@@ -100,6 +102,7 @@ class ZeroConfig:
     overlap_parameter_exchange: bool = True
     offload_dir: str | None = None
     disk_fraction: float = 0.0
+    masters_on_disk: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2):
@@ -116,6 +119,19 @@ class ZeroConfig:
             raise ValueError(f"communication={self.communication!r}: pass 'auto', 'all_reduce' or 'scatter_gather'.")
         if not 0.0 <= self.disk_fraction <= 1.0:
             raise ValueError(f"disk_fraction={self.disk_fraction}: pass a share in [0, 1].")
+        if self.masters_on_disk and not self.cpu_offload:
+            # Checked before the disk tier's own settings, so the message says what masters_on_disk lacks.
+            raise ValueError(
+                "masters_on_disk=True needs cpu_offload=True: without it fp32 parameters are their own masters, so"
+                " there is no separate copy to move to disk. Pass cpu_offload=True (or use the"
+                " `colossal_zero2_offload` strategy), or drop masters_on_disk."
+            )
+        if self.masters_on_disk and self.disk_fraction == 0:
+            raise ValueError(
+                "masters_on_disk=True needs disk_fraction > 0 and offload_dir: the masters go to disk beside the"
+                " optimizer state of the same shards. Pass e.g. disk_fraction=1.0, offload_dir='/local_nvme', or drop"
+                " masters_on_disk."
+            )
         if self.disk_fraction > 0 and not self.cpu_offload:
             raise ValueError(
                 f"disk_fraction={self.disk_fraction} needs cpu_offload=True: optimizer state on disk is stepped on the"

@@ -17,13 +17,23 @@ values goes through this class (``materialise`` / ``store``: checkpoints). A ste
 
 Optimizers that couple parameters (LBFGS: a closure and one global line search) are refused: stepping a subset would
 change what they compute.
+
+[Note: masters on disk]
+With ``masters_on_disk`` a record also holds its masters' own values (fp32, ahead of their state), so the engine keeps
+no host copy of them either. Each master tensor keeps its identity (the optimizer's ``param_groups`` and ``state`` are
+keyed by it) but its storage changes: between steps it is a placeholder, and while its record steps its ``.data`` is
+a view of the staging buffer, so the optimizer updates the record in place. Its gradient stays where the engine put
+it. After the record steps, ``after_record`` (the engine's) receives the record's masters still bound to the buffer,
+to copy them into its parameters, before the buffer is written back and may be reused for the next read. Outside a
+step the engine reaches the values through ``read_masters`` / ``write_masters`` (one record in host memory at a time)
+and, for checkpoints, through ``master_stand_in`` ([Note: deferred tensors] in ``engine_parts/stand_ins.py``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,10 +60,10 @@ _TENSOR_ALIGNMENT = 64
 
 @dataclass
 class _Entry:
-    """One state tensor of one master inside a record."""
+    """One state tensor of one master inside a record, or (``key`` None) the master's own values."""
 
     master: Tensor
-    key: str
+    key: str | None
     dtype: torch.dtype
     offset: int  # bytes from the record's start
 
@@ -65,10 +75,17 @@ class _Entry:
 @dataclass
 class _Record:
     masters: list[Tensor]
-    entries: list[_Entry] = field(default_factory=list)
+    entries: list[_Entry] = field(default_factory=list)  # optimizer state
+    master_entries: list[_Entry] = field(default_factory=list)  # the masters' values ([Note: masters on disk])
     nbytes: int = 0
     file_offset: int = 0
-    written: bool = False  # holds values on disk (after the first step, or a load)
+    written: bool = False  # its state holds values on disk (after the first step, or a load)
+    holds_masters: bool = False  # its masters' values are on disk (written at set-up)
+
+    @property
+    def holds_values(self) -> bool:
+        """Whether anything on disk must be read before the record is stepped or changed."""
+        return self.written or self.holds_masters
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -96,10 +113,11 @@ def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
     return [sum(_element_size(dtype) for _, dtype in layout) for layout in _state_layout_by_group(optimizer)]
 
 
-def record_bytes(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]]) -> list[int]:
-    """Per group of masters, the bytes of its record in the tier (its state tensors, each aligned inside it), as
-    ``DiskOptimizerState`` will lay it out: what a budget decides with before the tier exists."""
-    return [record.nbytes for record in _lay_out_records(optimizer, groups)]
+def record_bytes(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool = False) -> list[int]:
+    """Per group of masters, the bytes of its record in the tier (its state tensors, and with ``masters_on_disk`` the
+    masters, each aligned inside it), as ``DiskOptimizerState`` will lay it out: what a budget decides with before the
+    tier exists."""
+    return [record.nbytes for record in _lay_out_records(optimizer, groups, masters_on_disk)]
 
 
 def staging_bytes_for(record_sizes: Sequence[int]) -> int:
@@ -108,20 +126,29 @@ def staging_bytes_for(record_sizes: Sequence[int]) -> int:
     return min(STAGING_SLOTS, len(sizes)) * align_up(max(sizes)) if sizes else 0
 
 
-def _lay_out_records(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]]) -> list[_Record]:
-    """One record per group: each master's state tensors (the optimizer's layout) at aligned offsets."""
+def _lay_out_records(
+    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool = False
+) -> list[_Record]:
+    """One record per group: with ``masters_on_disk`` the masters' values first, then each master's state tensors
+    (the optimizer's layout), all at aligned offsets."""
     moments = _state_layout_by_group(optimizer)
     group_of = {id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]}
     records = []
     for masters in groups:
         record = _Record(list(masters))
         offset = 0
+
+        def place(master: Tensor, key: str | None, dtype: torch.dtype) -> _Entry:
+            nonlocal offset
+            offset = -(-offset // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
+            entry = _Entry(master, key, dtype, offset)
+            offset += entry.nbytes
+            return entry
+
+        if masters_on_disk:
+            record.master_entries = [place(master, None, master.dtype) for master in masters]
         for master in masters:
-            for key, dtype in moments[group_of[id(master)]]:
-                offset = -(-offset // _TENSOR_ALIGNMENT) * _TENSOR_ALIGNMENT
-                entry = _Entry(master, key, dtype, offset)
-                record.entries.append(entry)
-                offset += entry.nbytes
+            record.entries += [place(master, key, dtype) for key, dtype in moments[group_of[id(master)]]]
         record.nbytes = offset
         records.append(record)
     return records
@@ -134,14 +161,29 @@ def open_disk_state(
     rank: int,
     beside: torch.device,
     what: str,
+    initial_masters: Callable[[Tensor, Tensor], None] | None = None,
+    after_record: Callable[[Sequence[Tensor]], None] | None = None,
 ) -> DiskOptimizerState:
     """The disk tier for ``groups``' state under ``offload_dir``: its directory made, the room checked and claimed
-    before training starts ([Note: the tier's directory is never a checkpoint] in ``files.py``)."""
+    before training starts ([Note: the tier's directory is never a checkpoint] in ``files.py``).
+
+    With ``initial_masters`` the masters' values live in the tier too ([Note: masters on disk]):
+    ``initial_masters(master, target)`` fills each master's first values, one record at a time; ``after_record`` is
+    ``DiskOptimizerState``'s."""
     directory = TierDirectory(offload_dir, rank)
     try:
-        state = DiskOptimizerState(optimizer, groups, TierFile(directory, "optimizer_state.bin"), beside)
+        state = DiskOptimizerState(
+            optimizer,
+            groups,
+            TierFile(directory, "optimizer_state.bin"),
+            beside,
+            masters_on_disk=initial_masters is not None,
+            after_record=after_record,
+        )
         directory.check_room(state.planned_bytes, what)
         state.file.allocate()
+        if initial_masters is not None:
+            state.write_masters(initial_masters)
     except BaseException:
         directory.close()
         raise
@@ -156,6 +198,10 @@ class DiskOptimizerState:
         groups: the masters whose state goes to disk, one record per group (each a list of master tensors).
         tier_file: where the records live.
         beside: the compute device (staging buffers are pinned beside an accelerator).
+        masters_on_disk: the records hold the masters' values too ([Note: masters on disk]); the caller made each
+            master a ``placeholder`` and writes its first values with ``write_masters`` before the first step.
+        after_record: called with a record's masters after they stepped, while they are still views of the staging
+            buffer (and before it is written back).
     """
 
     def __init__(
@@ -164,6 +210,8 @@ class DiskOptimizerState:
         groups: Sequence[Sequence[Tensor]],
         tier_file: TierFile,
         beside: torch.device = _HOST,
+        masters_on_disk: bool = False,
+        after_record: Callable[[Sequence[Tensor]], None] | None = None,
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
@@ -173,14 +221,18 @@ class DiskOptimizerState:
         self.optimizer = optimizer
         self.file = tier_file
         self.beside = beside
+        self.after_record = after_record
         self.records: list[_Record] = []
-        for record in _lay_out_records(optimizer, groups):
+        for record in _lay_out_records(optimizer, groups, masters_on_disk):
             if record.nbytes:
                 record.file_offset = tier_file.reserve(record.nbytes)
             self.records.append(record)
         self.records = [record for record in self.records if record.nbytes]
-        # Masters whose optimizer keeps no state shaped like them (plain SGD) step with the resident ones.
-        self.on_disk = {id(entry.master) for record in self.records for entry in record.entries}
+        # Masters whose optimizer keeps no state shaped like them (plain SGD) step with the resident ones, unless
+        # their values are on disk.
+        self.on_disk = {id(entry.master) for record in self.records for entry in record.entries + record.master_entries}
+        #: The ids of the masters whose values this tier holds ([Note: masters on disk]).
+        self.master_ids = frozenset(id(entry.master) for record in self.records for entry in record.master_entries)
         self.slot_bytes = max((record.nbytes for record in self.records), default=0)
         self._streaming = False
         self._slots: list[Tensor] | None = None
@@ -191,10 +243,12 @@ class DiskOptimizerState:
         self._open_record: _Record | None = None
         self._open_buffer: Tensor | None = None
         self._open_record_changed = False
+        # Stand-ins for masters' values a checkpoint describes (``master_stand_in``), withdrawn after it.
+        self._master_stand_ins: list[Tensor] = []
 
     @property
     def planned_bytes(self) -> int:
-        """Bytes of this rank's state on disk."""
+        """Bytes of this rank's state (and masters, with ``masters_on_disk``) on disk."""
         return self.file.reserved_bytes
 
     @property
@@ -258,7 +312,9 @@ class DiskOptimizerState:
     def _step(self, **kwargs: Any) -> Any:
         if kwargs.get("closure") is not None:
             raise ValueError("The disk tier steps the optimizer record by record and cannot run a closure in step().")
-        self._finish_deferred()  # a checkpoint described the state and nobody released it
+        # A checkpoint described the state and nobody released it. Its stand-ins for masters stay: a load describes
+        # the model before a first (zero-learning-rate) step creates the optimizer's state, and fills them after.
+        self._finish_deferred(masters_too=False)
         resident = {
             id(master)
             for group in self.optimizer.param_groups
@@ -295,7 +351,7 @@ class DiskOptimizerState:
                     return
                 record = self.records[next_read]
                 slot = slots.popleft()
-                future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.written else None
+                future = self.file.read(record.file_offset, slot[: _io_bytes(record)]) if record.holds_values else None
                 reads[next_read] = (future, slot)
                 next_read += 1
 
@@ -310,14 +366,18 @@ class DiskOptimizerState:
                 if future is not None:
                     future.result()
                     self.bytes_read += _io_bytes(record)
+                self._bind_masters(record, slot)
                 if record.written:
                     self._bind(record, slot)
                 output = self._step_only({id(master) for master in record.masters})
                 self._copy_in(record, slot)
+                if self.after_record is not None and record.master_entries:
+                    self.after_record(record.masters)
                 writes.append((self.file.write(record.file_offset, slot[: _io_bytes(record)]), slot))
                 self.bytes_written += _io_bytes(record)
                 record.written = True
                 self._unbind(record)
+                self._unbind_masters(record)
             while writes:
                 writes.popleft()[0].result()
         finally:
@@ -359,13 +419,74 @@ class DiskOptimizerState:
         for entry in record.entries:
             self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
 
+    def _bind_masters(self, record: _Record, slot: Tensor) -> None:
+        """The record's masters as views of ``slot``, where their values were read ([Note: masters on disk])."""
+        if record.master_entries and not record.holds_masters:
+            raise DiskTierError(
+                "A record of masters on disk was stepped before its values were written (write_masters): the engine"
+                " that built this tier must write the masters' first values when it opens it."
+            )
+        for entry in record.master_entries:
+            entry.master.data = _view(slot, entry)
+
+    def _unbind_masters(self, record: _Record) -> None:
+        for entry in record.master_entries:
+            entry.master.data = placeholder(entry.master, entry.dtype)
+
+    # ------------------------------------------------------------------------------------------------------ masters
+    def holds_master(self, master: Tensor) -> bool:
+        """Whether ``master``'s values live in this tier ([Note: masters on disk])."""
+        return id(master) in self.master_ids
+
+    def read_masters(self, visit: Callable[[Tensor, Tensor], None]) -> None:
+        """``visit(master, value)`` for each master on disk, ``value`` a host view valid during the call; one record
+        in host memory at a time."""
+        self._each_master(visit, changes=False)
+
+    def write_masters(self, fill: Callable[[Tensor, Tensor], None]) -> None:
+        """``fill(master, target)`` for each master on disk, ``target`` the host view of its values to overwrite; each
+        record is written back before the next is read."""
+        self._each_master(fill, changes=True)
+
+    def _each_master(self, visit: Callable[[Tensor, Tensor], None], changes: bool) -> None:
+        for record in self.records:
+            if not record.master_entries:
+                continue
+            buffer = self._open(record)
+            for entry in record.master_entries:
+                visit(entry.master, _view(buffer, entry))
+            if changes:
+                self._open_record_changed = True
+                record.holds_masters = True
+        # Written now, so the next step reads these values.
+        self._close_open_record()
+        self._open_buffer = None
+
+    def master_stand_in(self, master: Tensor) -> Tensor:
+        """A stand-in for ``master``'s values on disk, which a checkpoint reads or fills through this tier ([Note:
+        deferred tensors] in ``engine_parts/stand_ins.py``); ``release`` (after a save) and ``store`` (after a load)
+        withdraw it."""
+        for record in self.records:
+            for entry in record.master_entries:
+                if entry.master is master:
+                    value = stand_ins.stand_in(
+                        master.shape,
+                        entry.dtype,
+                        read=functools.partial(self._read_entry, record, entry),
+                        write=functools.partial(self._write_entry, record, entry),
+                    )
+                    self._master_stand_ins.append(value)
+                    return value
+        raise KeyError("this master's values are not in the disk tier (holds_master says which are)")
+
     # ------------------------------------------------------------------------------------------------------ checkpoints
     def defer(self) -> None:
         """Put a stand-in for each state tensor on disk into ``optimizer.state``: a checkpoint save reads, and a load
         fills, them one at a time through this tier ([Note: deferred tensors] in ``engine_parts/stand_ins.py``), so
         neither holds this rank's state in host memory. ``release`` (after a save) and ``store`` (after a load)
         put the placeholders back."""
-        self._finish_deferred()
+        # The masters' stand-ins stay: the model's description comes before the optimizer's.
+        self._finish_deferred(masters_too=False)
         for record in self.records:
             if not record.written:
                 continue
@@ -383,8 +504,9 @@ class DiskOptimizerState:
             self._close_open_record()
             if self._open_buffer is None:
                 self._open_buffer = aligned_buffer(self.slot_bytes)
-            self.file.read_now(record.file_offset, self._open_buffer[: _io_bytes(record)])
-            self.bytes_read += _io_bytes(record)
+            if record.holds_values:
+                self.file.read_now(record.file_offset, self._open_buffer[: _io_bytes(record)])
+                self.bytes_read += _io_bytes(record)
             self._open_record = record
         assert self._open_buffer is not None
         return self._open_buffer
@@ -405,16 +527,26 @@ class DiskOptimizerState:
         self._open_record = None
         self._open_record_changed = False
 
-    def _finish_deferred(self) -> None:
-        """Write the record a load was filling, withdraw the stand-ins and put placeholders back."""
+    def _finish_deferred(self, masters_too: bool = True) -> None:
+        """Write the record a load was filling, withdraw the stand-ins (of masters too, unless told otherwise) and put
+        placeholders back."""
         self._close_open_record()
         self._open_buffer = None
+        if masters_too:
+            self.withdraw_master_stand_ins()
         for record in self.records:
             for entry in record.entries:
                 current = self.optimizer.state.get(entry.master, {}).get(entry.key)
                 if current is not None and stand_ins.deferred_of(current) is not None:
                     stand_ins.withdraw(current)
                     self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
+
+    def withdraw_master_stand_ins(self) -> None:
+        """Forget the stand-ins for masters (``master_stand_in``): a save read them, or a load filled them (the model's
+        weights are loaded before the optimizer's state)."""
+        for value in self._master_stand_ins:
+            stand_ins.withdraw(value)
+        self._master_stand_ins = []
 
     def materialise(self) -> None:
         """Read every record into fresh tensors in ``optimizer.state`` (a load of whole tensors copies into them;
@@ -445,9 +577,11 @@ class DiskOptimizerState:
                 and not is_placeholder(self.optimizer.state[entry.master][entry.key])
                 for entry in record.entries
             )
-            if not state_present:
+            if not record.entries or not state_present:
                 continue
             buffer = aligned_buffer(record.nbytes)
+            if record.holds_masters:  # the record's masters stay as they are
+                self.file.read_now(record.file_offset, buffer[: _io_bytes(record)])
             self._copy_in(record, buffer)
             self.file.write_now(record.file_offset, buffer[: _io_bytes(record)])
             record.written = True

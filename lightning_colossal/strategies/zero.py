@@ -48,6 +48,7 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
         overlap_parameter_exchange: bool = True,
         offload_dir: str | None = None,
         disk_fraction: float = 0.0,
+        masters_on_disk: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -61,6 +62,7 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
             overlap_parameter_exchange=overlap_parameter_exchange,
             offload_dir=offload_dir,
             disk_fraction=disk_fraction,
+            masters_on_disk=masters_on_disk,
         )
 
     def grad_norm_limitation(self) -> str | None:

@@ -17,11 +17,17 @@ the rounded parameters). With fp32 parameters the masters hold the same values, 
 in a separate buffer, so the parameters are saved. Loading resynchronises the other copy from the one that was
 loaded (``resync_after_model_state_loaded``). The ZeRO strategy and hybrid parallelism with ZeRO both go through
 these methods.
+
+With ``masters_on_disk`` the masters of the shards whose optimizer state is on disk live in the disk tier's records
+too (``disk/optimizer_state.py`` [Note: masters on disk]): the flat buffer holds only the other masters, each on-disk
+master is a placeholder between steps, the tier calls back after each record steps so its masters reach the
+parameters, and everything else that reads or writes master values (checkpoints, resynchronisation after a load) goes
+through the tier one record at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -34,7 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import ZeroConfig, bucket_numel
 from lightning_colossal.disk.engine_tier import EngineDiskTier
-from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder, open_disk_state
+from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder, open_disk_state, placeholder
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity
@@ -112,13 +118,21 @@ class ZeroEngine(EngineDiskTier):
         self.masters_alias_parameters = not config.cpu_offload and all(
             member.parameter.dtype == torch.float32 for member in self.members
         )
-        self.master_buffer, self.master_gradient_buffer = self._allocate_masters()
-        offsets = [0]
-        for member in self.members:
-            offsets.append(offsets[-1] + member.spec.local_numel)
-        self.masters = [
-            self._master_view(offset, member) for offset, member in zip(offsets[:-1], self.members, strict=True)
-        ]
+        # Decided before the masters exist: masters on disk get no room in the flat buffer.
+        disk_groups = self._disk_groups() if config.disk_fraction > 0 else []
+        on_disk = {index for group in disk_groups for index in group} if config.masters_on_disk else set()
+        self.master_buffer, self.master_gradient_buffer = self._allocate_masters(on_disk)
+        self.masters = []
+        offset = 0
+        for index, member in enumerate(self.members):
+            if index in on_disk:
+                # Its values are written to the tier once it is open; in between steps it stays a placeholder.
+                self.masters.append(placeholder(_owned_rows(member.parameter.data, member), torch.float32))
+            else:
+                self.masters.append(self._master_view(offset, member))
+                offset += member.spec.local_numel
+        #: Each member by the id of its master.
+        self._member_of_master = {id(master): member for member, master in zip(self.members, self.masters, strict=True)}
         #: Each member's master, by the id of its parameter.
         self._master_of = {
             id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)
@@ -144,35 +158,57 @@ class ZeroEngine(EngineDiskTier):
             ShardedMaster(member.name, member.spec, master)
             for member, master in zip(self.members, self.masters, strict=True)
         ]
-        #: The optimizer state of the leading ``disk_fraction`` of the masters on disk between steps, or ``None``.
-        self.disk_state: DiskOptimizerState | None = self._open_disk_tier() if config.disk_fraction > 0 else None
+        #: The optimizer state (and, with ``masters_on_disk``, the masters) of the leading ``disk_fraction`` of the
+        #: masters on disk between steps, or ``None``.
+        self.disk_state: DiskOptimizerState | None = self._open_disk_tier(disk_groups) if disk_groups else None
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _open_disk_tier(self) -> DiskOptimizerState | None:
-        """Records of about one gradient bucket of masters each, the first ``disk_fraction`` of the elements."""
+    def _disk_groups(self) -> list[list[int]]:
+        """The members (by index) of each disk record: about one gradient bucket of masters each, the first
+        ``disk_fraction`` of the elements."""
+        limit = self.config.disk_fraction * sum(member.spec.local_numel for member in self.members) * (1 + 1e-9)
+        record_numel = bucket_numel(self.config.bucket_size_mb)
+        groups: list[list[int]] = []
+        counted = 0
+        for index, member in enumerate(self.members):
+            if counted + member.spec.local_numel > limit:
+                break
+            counted += member.spec.local_numel
+            if not groups or sum(self.members[other].spec.local_numel for other in groups[-1]) >= record_numel:
+                groups.append([])
+            groups[-1].append(index)
+        return groups
+
+    def _open_disk_tier(self, groups: list[list[int]]) -> DiskOptimizerState:
         config = self.config
         assert config.offload_dir is not None
-        limit = config.disk_fraction * sum(master.numel() for master in self.masters) * (1 + 1e-9)
-        record_numel = bucket_numel(config.bucket_size_mb)
-        groups: list[list[Tensor]] = []
-        counted = 0
-        for master in self.masters:
-            if counted + master.numel() > limit:
-                break
-            counted += master.numel()
-            if not groups or sum(existing.numel() for existing in groups[-1]) >= record_numel:
-                groups.append([])
-            groups[-1].append(master)
-        if not groups:
-            return None
+        what = f"the optimizer state of {sum(map(len, groups))} of {len(self.masters)} parameter shards"
         return open_disk_state(
             self.optimizer,
-            groups,
+            [[self.masters[index] for index in group] for group in groups],
             config.offload_dir,
             rank=collectives.rank(),
             beside=self.compute_device,
-            what=f"the optimizer state of {sum(map(len, groups))} of {len(self.masters)} parameter shards",
+            what=what + (" and their fp32 masters" if config.masters_on_disk else ""),
+            initial_masters=self._initial_master if config.masters_on_disk else None,
+            after_record=self._record_into_parameters if config.masters_on_disk else None,
         )
+
+    def _initial_master(self, master: Tensor, target: Tensor) -> None:
+        """A master's first values (this rank's rows of its parameter), written into its disk record."""
+        member = self._member_of_master[id(master)]
+        devices.copy_into(target, _owned_rows(member.parameter.data, member))
+
+    def _record_into_parameters(self, masters: Sequence[Tensor]) -> None:
+        """After a disk record stepped: its masters into this rank's rows of their parameters."""
+        self._into_parameter_rows([(self._member_of_master[id(master)], master) for master in masters])
+
+    def _into_parameter_rows(self, values: list[tuple[ReducedParameter, Tensor]]) -> None:
+        """Copy each value into this rank's rows of its member's parameter. Waited for when the parameters are on an
+        accelerator: a master on disk is a view of a buffer that the tier reuses as soon as this returns."""
+        devices.copy_all([(_owned_rows(member.parameter.data, member), value) for member, value in values])
+        if devices.is_accelerator(self.compute_device):
+            devices.synchronize(self.compute_device)
 
     def _members(self, in_optimizer: set[int]) -> list[ReducedParameter]:
         # Frozen parameters in the optimizer get no master, gradient slot or state (optimizer_takeover.py [Note:
@@ -218,15 +254,18 @@ class ZeroEngine(EngineDiskTier):
                 if id(parameter) not in self.kept_whole:  # those differ between the ranks by design
                     collectives.broadcast_tensor(parameter.data, source_rank=0, group=self.process_group)
 
-    def _allocate_masters(self) -> tuple[Tensor | None, Tensor | None]:
+    def _allocate_masters(self, on_disk: set[int]) -> tuple[Tensor | None, Tensor | None]:
+        """The flat buffers of the masters (those not on disk: ``on_disk`` holds member indices) and of their
+        gradients (all of them)."""
         if self.masters_alias_parameters:
             return None, None
         total = sum(member.spec.local_numel for member in self.members)
+        resident = sum(member.spec.local_numel for index, member in enumerate(self.members) if index not in on_disk)
         if self.offload_device.type == "cpu":
-            masters = devices.host_buffer(total, torch.float32, beside=self.compute_device)
+            masters = devices.host_buffer(resident, torch.float32, beside=self.compute_device)
             gradients = devices.host_buffer(total, torch.float32, beside=self.compute_device, zeroed=True)
         else:
-            masters = torch.empty(total, dtype=torch.float32, device=self.offload_device)
+            masters = torch.empty(resident, dtype=torch.float32, device=self.offload_device)
             gradients = torch.zeros(total, dtype=torch.float32, device=self.offload_device)
         return masters, gradients
 
@@ -323,11 +362,14 @@ class ZeroEngine(EngineDiskTier):
         )
 
     def _masters_into_parameters(self, bucket: Bucket) -> None:
-        """Separate masters only: write a stepped bucket's masters into this rank's rows of its parameters."""
+        """Separate masters only: write a stepped bucket's masters into this rank's rows of its parameters (masters
+        on disk reached them during their record's step)."""
         if self.master_buffer is None:
             return
         for member in bucket.members:
-            devices.copy_into(_owned_rows(member.parameter.data, member), self._master_of[id(member.parameter)])
+            master = self._master_of[id(member.parameter)]
+            if not self._on_disk(master):
+                devices.copy_into(_owned_rows(member.parameter.data, member), master)
 
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica (unless ``step_optimizer`` already did), then clear gradients
@@ -336,8 +378,10 @@ class ZeroEngine(EngineDiskTier):
         if stepped and not exchanged:
             with torch.no_grad():
                 if self.master_buffer is not None:
+                    # Masters on disk reached the parameters during their record's step (``_record_into_parameters``).
                     for member, master in zip(self.members, self.masters, strict=True):
-                        devices.copy_into(_owned_rows(member.parameter.data, member), master)
+                        if not self._on_disk(master):
+                            devices.copy_into(_owned_rows(member.parameter.data, member), master)
                 self.sync_parameters()
         self.reducer.zero_gradients()
         if self.master_gradient_buffer is not None:
@@ -432,10 +476,22 @@ class ZeroEngine(EngineDiskTier):
             self.masters_to_parameters()
         else:
             self.parameters_to_masters()
+        if self.disk_state is not None:
+            self.disk_state.withdraw_master_stand_ins()  # filled by now
 
     def masters_by_name(self) -> dict[str, Tensor]:
-        """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves)."""
-        return {entry.name: self._described(entry, entry.master) for entry in self.sharded_masters}
+        """fp32 masters as global tensors, by parameter name (only when they are not the parameters themselves).
+        Masters on disk enter as the tier's stand-ins, which a checkpoint reads or fills one at a time."""
+        return {entry.name: self._described(entry, self._master_value(entry.master)) for entry in self.sharded_masters}
+
+    def _master_value(self, master: Tensor) -> Tensor:
+        if self.disk_state is None or not self.disk_state.holds_master(master):
+            return master
+        return self.disk_state.master_stand_in(master)
+
+    def _on_disk(self, master: Tensor) -> bool:
+        """Whether ``master``'s values live in the disk tier ([Note: masters on disk])."""
+        return self.disk_state is not None and self.disk_state.holds_master(master)
 
     def _described(self, entry: ShardedMaster, value: Tensor) -> Tensor:
         if self.describe is not None:
@@ -446,7 +502,12 @@ class ZeroEngine(EngineDiskTier):
         """After masters were loaded: write them into the parameters and re-synchronise the replicas."""
         with torch.no_grad():
             for member, master in zip(self.members, self.masters, strict=True):
-                _owned_rows(member.parameter.data, member).copy_(master)
+                if not self._on_disk(master):
+                    _owned_rows(member.parameter.data, member).copy_(master)
+            if self.disk_state is not None:
+                self.disk_state.read_masters(
+                    lambda master, value: self._into_parameter_rows([(self._member_of_master[id(master)], value)])
+                )
             self.sync_parameters()
 
     def parameters_to_masters(self, full_weights: Mapping[str, Tensor] | None = None) -> None:
@@ -457,10 +518,20 @@ class ZeroEngine(EngineDiskTier):
         """
         if self.master_buffer is None:
             return
+
+        def loaded_rows(member: ReducedParameter) -> Tensor:
+            source = full_weights.get(member.name) if full_weights is not None else None
+            return _owned_rows(source if source is not None else member.parameter.data, member)
+
         with torch.no_grad():
             for member, master in zip(self.members, self.masters, strict=True):
-                source = full_weights.get(member.name) if full_weights is not None else None
-                master.copy_(_owned_rows(source if source is not None else member.parameter.data, member))
+                if not self._on_disk(master):
+                    master.copy_(loaded_rows(member))
+            if self.disk_state is not None:
+                # One record at a time: the masters on disk are never all in host memory.
+                self.disk_state.write_masters(
+                    lambda master, target: devices.copy_into(target, loaded_rows(self._member_of_master[id(master)]))
+                )
 
     def optimizer_state_by_name(self) -> dict[str, Any]:
         """The optimizer state keyed by parameter name, shards as DTensors aliasing the live state."""

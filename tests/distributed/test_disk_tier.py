@@ -6,6 +6,8 @@ momentum, fp32 and bf16-true, and matches the single-process oracle. Crash safet
 while its engine does, is never mistaken for a checkpoint, and a full disk is an error before training (free space
 checked against the planned bytes) or, mid-run, an error naming the directory with the last checkpoint intact.
 Checkpoints: a checkpoint saved with the disk tier resumes under another strategy exactly like one saved without it.
+Masters on disk (ZeRO's ``masters_on_disk``): the same exactness and checkpoints, with the masters' host bytes moved
+into the tier's file.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_colossal import AutoPlacement, GeminiStrategy, HybridParallelStrategy, StaticPlacement, ZeroStrategy
 from lightning_colossal.config import ZeroConfig
@@ -57,13 +59,16 @@ def _strategy(kind: str, offload_dir: str | None, **extra: Any) -> Any:
             disk_fraction=1.0 if offload_dir else 0.0,
             **extra,
         )
-    if kind == "hybrid-zero1-offload":
+    if kind == "zero2-offload-masters":
+        return _zero_masters(offload_dir, 1.0, offload_dir is not None)
+    if kind in ("hybrid-zero1-offload", "hybrid-zero1-offload-masters"):
         zero = ZeroConfig(
             stage=1,
             cpu_offload=True,
             bucket_size_mb=0.001,
             offload_dir=offload_dir,
             disk_fraction=1.0 if offload_dir else 0.0,
+            masters_on_disk=kind.endswith("masters") and offload_dir is not None,
         )
         return HybridParallelStrategy(zero=zero, **extra)
     raise AssertionError(kind)
@@ -105,7 +110,17 @@ def _train_body(
     }
 
 
-@pytest.mark.parametrize("kind", ["gemini-static", "gemini-half-on-disk", "zero2-offload", "hybrid-zero1-offload"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "gemini-static",
+        "gemini-half-on-disk",
+        "zero2-offload",
+        "zero2-offload-masters",
+        "hybrid-zero1-offload",
+        "hybrid-zero1-offload-masters",
+    ],
+)
 def test_disk_tier_equals_memory_bit_for_bit(rank_pool_2, tmp_path, kind):
     on_disk = rank_pool_2.run(_train_body, kind, str(tmp_path), "32-true", "adamw")
     in_memory = rank_pool_2.run(_train_body, kind, None, "32-true", "adamw")
@@ -336,7 +351,8 @@ def _save_body(kind: str, offload_dir: str | None, checkpoint: str) -> dict[str,
     trainer.fit(module)
     with _entry_by_entry() as counts:
         trainer.save_checkpoint(checkpoint)
-    disk_state = getattr(trainer.strategy, "engine", None) and trainer.strategy.engine.disk_state
+    engine = getattr(trainer.strategy, "engine", None)
+    disk_state = engine and _disk_state(engine)
     if disk_state is not None:
         # The checkpoint read the state entry by entry; once written, host memory holds none of it again.
         entries = [e for record in disk_state.records for e in record.entries]
@@ -365,7 +381,9 @@ def _resume_and_train_body(
     return {"parameters": float_state(module)}
 
 
-@pytest.mark.parametrize("kind", ["gemini-static", "zero2-offload"])
+@pytest.mark.parametrize(
+    "kind", ["gemini-static", "zero2-offload", "zero2-offload-masters", "hybrid-zero1-offload-masters"]
+)
 def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2, tmp_path, kind):
     with_disk = str(tmp_path / "with_disk.ckpt")
     without = str(tmp_path / "without.ckpt")
@@ -387,13 +405,15 @@ def test_checkpoint_with_disk_tier_resumes_anywhere_like_one_without(rank_pool_2
             assert torch.equal(a["parameters"][name], value), ("loaded into the tier", name)
 
 
-def test_plain_lightning_checkpoint_resumes_into_the_tier_like_into_memory(rank_pool_2, tmp_path):
+@pytest.mark.parametrize("kind", ["gemini-static", "zero2-offload-masters"])
+def test_plain_lightning_checkpoint_resumes_into_the_tier_like_into_memory(rank_pool_2, tmp_path, kind):
     # Lightning's own ddp writes one whole file: its optimizer state arrives as whole tensors, which are copied into
-    # the live state (read from the tier first, then written back).
+    # the live state (read from the tier first, then written back; with masters on disk the records keep the masters
+    # loaded from the file's weights).
     plain = str(tmp_path / "plain.ckpt")
     rank_pool_2.run(_save_body, "lightning-ddp", None, plain)
-    into_tier = rank_pool_2.run(_resume_and_train_body, "gemini-static", str(tmp_path / "tier"), plain, True)
-    into_memory = rank_pool_2.run(_resume_and_train_body, "gemini-static", None, plain, True)
+    into_tier = rank_pool_2.run(_resume_and_train_body, kind, str(tmp_path / "tier"), plain, True)
+    into_memory = rank_pool_2.run(_resume_and_train_body, kind, None, plain, True)
     for a, b in zip(into_tier, into_memory, strict=True):
         for name, value in b["parameters"].items():
             assert torch.equal(a["parameters"][name], value), name
@@ -488,3 +508,218 @@ def test_ranks_killed_mid_step_or_mid_save_resume_exactly_and_leave_nothing_behi
         assert not left & set(rank_result["after"]), "the killed run's tier directories survived the next run"
         for name, value in reference["parameters"].items():
             assert torch.equal(rank_result["parameters"][name], value), name
+
+
+# ---------------------------------------------------------------------------------------------- masters on disk
+# ZeRO's fp32 masters of the shards whose optimizer state is on disk live in the same records (``masters_on_disk``;
+# disk/optimizer_state.py [Note: masters on disk]). RegressionModule's shards per rank at disk_fraction=0.5: the
+# input layer and the norm on disk (one record), the hidden and output layers in memory.
+
+
+def _zero_masters(
+    offload_dir: str | None, disk_fraction: float, masters_on_disk: bool, bucket_size_mb: float = 0.001, **extra: Any
+) -> ZeroStrategy:
+    """ZeRO-2 offload with a tiny bucket (several records at disk_fraction=1); no disk tier without ``offload_dir``."""
+    return ZeroStrategy(
+        **extra,
+        stage=2,
+        cpu_offload=True,
+        bucket_size_mb=bucket_size_mb,
+        offload_dir=offload_dir,
+        disk_fraction=disk_fraction if offload_dir else 0.0,
+        masters_on_disk=masters_on_disk,
+    )
+
+
+class _GradientRecorder(Callback):
+    """This rank's reduced gradient rows before every optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: Any, *args: Any) -> None:
+        self.steps.append([entry.gradient.clone() for entry in trainer.strategy.engine.reduced_gradients()])
+
+
+def _masters_body(
+    offload_dir: str | None,
+    disk_fraction: float,
+    masters_on_disk: bool,
+    precision: str,
+    optimizer: str,
+    wide: bool = False,
+) -> dict[str, Any]:
+    if wide:  # records larger than the tier's 4 KiB alignment, so the masters visibly grow the file
+        torch.manual_seed(0)
+        module: RegressionModule = WideRegression()
+    else:
+        module = new_module()
+    if optimizer == "sgd":
+
+        def configure_optimizers() -> Any:
+            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    recorder = _GradientRecorder()
+    trainer = quiet_trainer(
+        strategy=_zero_masters(offload_dir, disk_fraction, masters_on_disk, 0.01 if wide else 0.001),
+        devices=torch.distributed.get_world_size(),
+        max_steps=STEPS,
+        precision=precision,
+        callbacks=[recorder],
+    )
+    trainer.fit(module)
+    engine = trainer.strategy.engine
+    disk_state = engine.disk_state
+    report = engine.memory_report()
+    on_disk = [entry for record in disk_state.records for entry in record.master_entries] if disk_state else []
+    # Between steps the masters on disk hold no values in host memory.
+    assert all(is_placeholder(entry.master) for entry in on_disk)
+    return {
+        "losses": module.micro_batch_losses,
+        "gradients": recorder.steps,
+        "parameters": float_state(module),
+        "master_bytes": report.master_bytes,
+        "masters_on_disk_bytes": sum(entry.nbytes for entry in on_disk),
+        "masters_resident": sum(1 for master in engine.masters if not is_placeholder(master)),
+        "disk_bytes": report.disk_bytes,
+        "file_bytes": 0 if disk_state is None else os.stat(disk_state.file.path).st_size,
+        "laid_out_bytes": 0 if disk_state is None else sum(record.nbytes for record in disk_state.records),
+        "records": 0 if disk_state is None else len(disk_state.records),
+    }
+
+
+def _assert_same_run(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
+    for one, other in zip(first, second, strict=True):
+        assert one["losses"] == other["losses"]
+        assert len(one["gradients"]) == len(other["gradients"]) == STEPS
+        for step, (mine, theirs) in enumerate(zip(one["gradients"], other["gradients"], strict=True)):
+            assert mine and len(mine) == len(theirs) and all(map(torch.equal, mine, theirs)), step
+        for name, value in other["parameters"].items():
+            assert torch.equal(one["parameters"][name], value), name
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "disk_fraction"),
+    [
+        ("32-true", "adamw", 1.0),
+        ("32-true", "sgd", 1.0),
+        ("32-true", "adamw", 0.5),
+        ("bf16-true", "adamw", 1.0),
+        ("bf16-true", "sgd", 0.5),
+    ],
+)
+def test_masters_on_disk_equal_masters_in_memory_bit_for_bit(
+    rank_pool_2, tmp_path, precision, optimizer, disk_fraction
+):
+    on_disk = rank_pool_2.run(_masters_body, str(tmp_path), disk_fraction, True, precision, optimizer)
+    in_memory = rank_pool_2.run(_masters_body, None, 0.0, False, precision, optimizer)
+    for rank in on_disk:
+        assert rank["masters_on_disk_bytes"] > 0, "no master went to disk: the test would not test the tier"
+        assert (rank["masters_resident"] > 0) == (disk_fraction < 1), rank["masters_resident"]
+    _assert_same_run(on_disk, in_memory)
+    if (precision, optimizer) == ("32-true", "adamw"):
+        assert_matches_oracle(on_disk, oracle_train(world_size=2, steps=STEPS), accumulate=1, rtol=1e-5, atol=1e-6)
+
+
+def test_masters_on_disk_leave_host_memory_for_the_tier_file(rank_pool_2, tmp_path):
+    masters_in_memory = rank_pool_2.run(_masters_body, str(tmp_path / "state"), 0.5, False, "32-true", "adamw", True)
+    masters_on_disk = rank_pool_2.run(_masters_body, str(tmp_path / "masters"), 0.5, True, "32-true", "adamw", True)
+    _assert_same_run(masters_on_disk, masters_in_memory)
+    for on_disk, in_memory in zip(masters_on_disk, masters_in_memory, strict=True):
+        moved = on_disk["masters_on_disk_bytes"]
+        assert moved > 0 and on_disk["masters_resident"] > 0 and on_disk["records"] == in_memory["records"] > 1
+        assert in_memory["master_bytes"] - on_disk["master_bytes"] == moved
+        # The records grow by the masters, up to each tensor's alignment inside them (64 bytes)...
+        laid_out = on_disk["laid_out_bytes"] - in_memory["laid_out_bytes"]
+        assert moved <= laid_out < moved + 64 * len(on_disk["parameters"]), (laid_out, moved)
+        # ... and the file (as planned, checked against the free space, and claimed) by them up to each record's
+        # 4 KiB alignment.
+        for key in ("disk_bytes", "file_bytes"):
+            growth = on_disk[key] - in_memory[key]
+            assert abs(growth - moved) < on_disk["records"] * 4096 < moved, (key, growth, moved)
+
+
+def _masters_fit_body(
+    offload_dir: str | None,
+    precision: str,
+    epochs: int,
+    ckpt_path: str | None = None,
+    save_to: str | None = None,
+) -> dict[str, Any]:
+    """Train (optionally resuming, optionally saving after) with or without masters on disk; the save and the load go
+    through the tier entry by entry, masters included."""
+    module = new_module(dropout=0.1, with_scheduler=True)
+    trainer = quiet_trainer(
+        strategy=_zero_masters(offload_dir, 0.5, offload_dir is not None),
+        devices=torch.distributed.get_world_size(),
+        max_epochs=epochs,
+        precision=precision,
+    )
+    with _entry_by_entry() as loads:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    engine = trainer.strategy.engine
+    disk_state = engine.disk_state
+    masters = [entry for record in disk_state.records for entry in record.master_entries] if disk_state else []
+    if ckpt_path is not None and masters:
+        assert loads["writes"] > 0, loads
+    if save_to is not None:
+        with _entry_by_entry() as saves:
+            trainer.save_checkpoint(save_to)
+        if masters:
+            # Checkpoints hold the masters when the parameters are bf16: those on disk are read entry by entry too.
+            state = [entry for record in disk_state.records for entry in record.entries]
+            expected = len(state) + (len(masters) if engine.checkpoints_hold_masters else 0)
+            assert saves["reads"] == expected and saves["most_values_held"] == 0, (saves, expected)
+            assert all(is_placeholder(entry.master) for entry in masters)
+            assert not stand_ins._REGISTRY, "stand-ins outlived the save"
+    return float_state(module)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_checkpoint_with_masters_on_disk_resumes_exactly_and_across_tiers(
+    rank_pool_1, rank_pool_2, tmp_path, precision
+):
+    tier = str(tmp_path / "tier")
+    straight = rank_pool_2.run(_masters_fit_body, tier, precision, 2)
+    with_masters = str(tmp_path / "masters_on_disk.ckpt")
+    plain = str(tmp_path / "plain.ckpt")
+    rank_pool_2.run(_masters_fit_body, tier, precision, 1, None, with_masters)
+    rank_pool_2.run(_masters_fit_body, None, precision, 1, None, plain)
+    # Resumed with masters on disk, into a plain ZeRO run, and a plain checkpoint into masters on disk: each equals
+    # the uninterrupted run (saved after the first epoch, so the resume sees the same batches).
+    for resume_dir, checkpoint in [(tier, with_masters), (None, with_masters), (tier, plain)]:
+        resumed = rank_pool_2.run(_masters_fit_body, resume_dir, precision, 2, checkpoint)
+        for rank_result, reference in zip(resumed, straight, strict=True):
+            for name, value in reference.items():
+                assert torch.equal(rank_result[name], value), (resume_dir, checkpoint, name)
+    # At another world size (the masters resharded into this rank's records) as into a plain run.
+    one_rank_on_disk = rank_pool_1.run(_masters_fit_body, tier, precision, 2, with_masters)
+    one_rank_plain = rank_pool_1.run(_masters_fit_body, None, precision, 2, with_masters)
+    for name, value in one_rank_plain[0].items():
+        assert torch.equal(one_rank_on_disk[0][name], value), ("world size 1", name)
+
+
+def _masters_background_save_body(offload_dir: str, checkpoint_dir: str) -> None:
+    """One epoch with masters on disk, checkpointed at its end by a background save (which stages every stand-in)."""
+    module = new_module(dropout=0.1, with_scheduler=True)
+    trainer = quiet_trainer(
+        strategy=_zero_masters(offload_dir, 0.5, True, async_checkpoint=True),
+        devices=torch.distributed.get_world_size(),
+        max_epochs=1,
+        precision="bf16-true",
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_epochs=1, save_top_k=1)],
+    )
+    trainer.fit(module)
+    assert not stand_ins._REGISTRY, "stand-ins outlived the background save"
+
+
+def test_background_save_with_masters_on_disk_resumes_exactly(rank_pool_2, tmp_path):
+    tier, checkpoints = str(tmp_path / "tier"), tmp_path / "checkpoints"
+    straight = rank_pool_2.run(_masters_fit_body, tier, "bf16-true", 2)
+    rank_pool_2.run(_masters_background_save_body, tier, str(checkpoints))
+    resumed = rank_pool_2.run(_masters_fit_body, tier, "bf16-true", 2, str(checkpoints / "last.ckpt"))
+    for rank_result, reference in zip(resumed, straight, strict=True):
+        for name, value in reference.items():
+            assert torch.equal(rank_result[name], value), name

@@ -35,6 +35,7 @@ from lightning_colossal.disk.optimizer_state import (
     staging_bytes_for,
     state_bytes_per_element,
 )
+from lightning_colossal.engine_parts import stand_ins
 from lightning_colossal.gemini.placement import HostBudgetTooSmall, disk_by_host_budget
 
 OPTIMIZERS = {
@@ -91,6 +92,62 @@ def test_streamed_step_equals_one_step_bit_for_bit(tmp_path, name):
     state.close()
     assert not directory.exists()
     assert moment not in optimizer.state[params[0]]  # no placeholder left to be read as zeros
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_masters_on_disk_step_bit_for_bit_and_reach_the_caller_after_each_record(tmp_path, name):
+    """[Note: masters on disk] without an engine: masters that are placeholders between steps, their first values
+    written by the caller, each record's stepped masters handed to ``after_record`` while still bound."""
+    torch.manual_seed(0)
+    values = [torch.randn(numel) for numel in (1000, 333, 4097, 10, 77)]
+    reference = [value.clone().requires_grad_() for value in values]
+    # The first four on disk (three records, across both param groups), the last one in memory.
+    masters = [placeholder(value, torch.float32) for value in values[:4]] + [values[4].clone()]
+    optimizer = OPTIMIZERS[name](_groups(masters))
+    reference_optimizer = OPTIMIZERS[name](_groups(reference))
+    first_values = {id(master): value for master, value in zip(masters, values, strict=True)}
+    published: dict[int, torch.Tensor] = {}
+
+    def after_record(record_masters: Any) -> None:
+        for master in record_masters:
+            assert not is_placeholder(master)  # still a view of the staging buffer
+            published[id(master)] = master.clone()
+
+    state = open_disk_state(
+        optimizer,
+        [[masters[0]], [masters[2], masters[3]], [masters[1]]],
+        str(tmp_path),
+        0,
+        torch.device("cpu"),
+        "t",
+        initial_masters=lambda master, target: target.copy_(first_values[id(master)]),
+        after_record=after_record,
+    )
+    for _ in range(3):
+        for master, twin in zip(masters, reference, strict=True):
+            gradient = torch.randn_like(twin)
+            master.grad, twin.grad = gradient.clone(), gradient.clone()
+        state.step()
+        reference_optimizer.step()
+        for master, twin in zip(masters[:4], reference[:4], strict=True):
+            assert is_placeholder(master)
+            assert torch.equal(published[id(master)], twin)
+    assert torch.equal(masters[4], reference[4])
+    assert state.holds_master(masters[0]) and not state.holds_master(masters[4])
+    # Outside a step: read, then change, one record at a time; a checkpoint's stand-in reads and fills one master.
+    seen: dict[int, torch.Tensor] = {}
+    state.read_masters(lambda master, value: seen.__setitem__(id(master), value.clone()))
+    assert all(torch.equal(seen[id(master)], twin) for master, twin in zip(masters[:4], reference[:4], strict=True))
+    state.write_masters(lambda master, target: target.mul_(2))
+    deferred = stand_ins.deferred_of(state.master_stand_in(masters[2]))
+    assert deferred is not None and torch.equal(deferred.read(), reference[2] * 2)
+    deferred.write(reference[2].detach())
+    state.store()  # after a load: the filled record written, the stand-in withdrawn
+    assert not stand_ins._REGISTRY
+    seen.clear()
+    state.read_masters(lambda master, value: seen.__setitem__(id(master), value.clone()))
+    assert torch.equal(seen[id(masters[2])], reference[2]) and torch.equal(seen[id(masters[0])], reference[0] * 2)
+    state.close()
 
 
 @pytest.mark.parametrize("slots", [2, 3, 5])
@@ -331,6 +388,20 @@ def test_host_budget_counts_the_staging_buffers():
         (lambda: ZeroConfig(stage=2, cpu_offload=True, disk_fraction=1.0), "needs offload_dir"),
         (lambda: ZeroConfig(stage=2, cpu_offload=True, offload_dir="/tmp"), "no effect with disk_fraction=0"),
         (lambda: ZeroConfig(disk_fraction=1.5, cpu_offload=True, offload_dir="/tmp"), r"share in \[0, 1\]"),
+        # Masters on disk: they must be separate from the parameters, and go where the disk tier is.
+        (
+            lambda: ZeroConfig(stage=2, disk_fraction=1.0, offload_dir="/tmp", masters_on_disk=True),
+            "masters_on_disk=True needs cpu_offload=True: without it fp32 parameters are their own masters",
+        ),
+        (lambda: ZeroConfig(stage=2, masters_on_disk=True), "masters_on_disk=True needs cpu_offload=True"),
+        (
+            lambda: ZeroConfig(stage=2, cpu_offload=True, masters_on_disk=True),
+            "masters_on_disk=True needs disk_fraction > 0 and offload_dir",
+        ),
+        (
+            lambda: ZeroConfig(stage=2, cpu_offload=True, disk_fraction=1.0, masters_on_disk=True),
+            "needs offload_dir",
+        ),
     ],
 )
 def test_settings_name_the_fix(make, fix):
