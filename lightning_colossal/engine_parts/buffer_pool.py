@@ -39,6 +39,12 @@ def _held_only_by_the_pool(buffer: Tensor) -> bool:
     return _use_count(buffer.untyped_storage()._cdata) <= 2
 
 
+def held_elsewhere(buffer: Tensor) -> bool:
+    """Whether anything besides the tensor ``buffer`` holds its storage (views autograd saved, a collective in
+    flight); ``False`` where torch cannot say."""
+    return _use_count is not None and not _held_only_by_the_pool(buffer)
+
+
 class BufferPool:
     """Flat host buffers by (elements, dtype), handed out again once nothing but the pool holds them."""
 

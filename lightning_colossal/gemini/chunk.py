@@ -83,6 +83,9 @@ class Chunk:
     parameters: list[torch.nn.Parameter]
     state: ChunkState = ChunkState.SHARDED
     full: Tensor | None = None
+    #: The gathered buffer of this chunk's last release in a forward, while autograd holds views of it (manager.py
+    #: [Note: weights autograd saved]).
+    released_full: Tensor | None = None
     gradient: Tensor | None = None
     full_gradient: Tensor | None = None
     pending_gather: Any = None

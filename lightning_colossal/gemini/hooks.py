@@ -52,7 +52,7 @@ rounds whenever their chunks differ: experts without tokens, and also automatic 
 decisions follow this rank's bytes (shards and optimizer state differ by a few rows between ranks, enough to cross
 the budget on one rank only). So the forward of every module with chunks below it is bracketed, and when the
 outermost one returns (the model user code called) the rank runs ``finish_phase`` there. A recomputation inside
-backward is not bracketed (``_inside_backward``): backward ends with its own ``finish_phase``.
+backward is not bracketed (``manager.inside_backward``): backward ends with its own ``finish_phase``.
 
 [Note: gradient accumulation]
 Each micro-batch's gradients are reduced into the fp32 shard gradient, which sums over micro-batches: accumulation
@@ -96,7 +96,7 @@ from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.autograd_graph import leaves_reached_from
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.eviction import Evictor
-from lightning_colossal.gemini.manager import ChunkManager, describe_chunk
+from lightning_colossal.gemini.manager import ChunkManager, describe_chunk, inside_backward
 from lightning_colossal.gemini.prefetch import Prefetcher
 from lightning_colossal.gemini.tracer import MemoryTracer
 
@@ -205,19 +205,21 @@ class ChunkHooks:
 
     @torch.compiler.disable
     def _enter_forward(self, module: nn.Module, args: Any) -> None:
-        if not _inside_backward():
+        if not inside_backward():
             self._forward_depth += 1
 
     @torch.compiler.disable
     def _leave_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _inside_backward():
+        if inside_backward():
             return
         self._forward_depth -= 1
         if self._forward_depth == 0:
             self.finish_phase()
+            # Buffers nothing recorded for backward go back to the pool ([Note: weights autograd saved]).
+            self.manager.forget_released(unless_held=True)
 
     def _before_forward(self, module_id: int) -> None:
-        if _inside_backward():
+        if inside_backward():
             self._before_recomputation(module_id)
             return
         needed = self._module_chunks[module_id]
@@ -235,7 +237,7 @@ class ChunkHooks:
                 chunk.move(ChunkState.COMPUTING)
 
     def _after_forward(self, module_id: int, output: Any) -> None:
-        if not _inside_backward():  # a recomputation counted no users ([Note: activation checkpointing])
+        if not inside_backward():  # a recomputation counted no users ([Note: activation checkpointing])
             for index in self._module_chunks[module_id]:
                 chunk = self.manager.chunks[index]
                 chunk.users -= 1
@@ -279,26 +281,41 @@ class ChunkHooks:
             self.prefetcher.prefetched.discard(chunk.index)
 
     def _gather_missing(self, needed: Iterable[int], position: int) -> None:
-        """Gather, in a round with every rank, the chunks of ``needed`` this rank does not hold (and prefetch)."""
+        """Gather, in a round with every rank, the chunks of ``needed`` this rank does not hold (and prefetch), after
+        taking back the buffers autograd kept (manager.py [Note: weights autograd saved])."""
+        needed = list(needed)
+        reinstated = [index for index in needed if self.manager.reinstate(self.manager.chunks[index])]
         missing = {index for index in needed if self.manager.chunks[index].state is ChunkState.SHARDED}
         if not missing:
+            if reinstated and inside_backward():
+                # Keep the round this module's gathers would have entered: it is where complete reductions launch on
+                # NCCL ([Note: reductions launched at agreed points]), and it keeps the ranks in step, so a rank
+                # does not run ahead while its reductions wait for a slower peer's sends (full gradients would pile
+                # up: test_working_set_is_a_few_chunks_not_the_model). It says this rank is still running, so a rank
+                # already in ``finish_phase`` (experts without tokens) keeps serving rounds instead of leaving.
+                self._gather_round(set(), still_running=True)
             return
-        prefetch = self.prefetcher.candidates(position) - missing
+        candidates = self.prefetcher.candidates(position) - missing
+        prefetch = {index for index in candidates if not self.manager.reinstate(self.manager.chunks[index])}
         self.prefetcher.prefetched |= prefetch
         self._gather_round(missing | prefetch, asynchronous=prefetch)
 
-    def _gather_round(self, requested: set[int], asynchronous: set[int] | None = None) -> bool:
-        """One round of [Note: gathering in rounds]; returns whether any rank asked for a chunk."""
+    def _gather_round(
+        self, requested: set[int], asynchronous: set[int] | None = None, still_running: bool = False
+    ) -> bool:
+        """One round of [Note: gathering in rounds]; returns whether any rank asked for a chunk (or, with
+        ``still_running``, said it has not finished its phase: ranks in ``finish_phase`` then keep serving rounds)."""
         chunks = self.manager.chunks
         if self.world_size == 1:
             union = sorted(requested)
-            anyone_asked = bool(requested)
+            anyone_asked = bool(requested) or still_running
         else:
             # Per chunk "someone asked", then "anyone asked", then minus this rank's complete chunks (a MAX of
             # negated counts is minus the smallest: [Note: reductions launched at agreed points]).
             flags = torch.zeros(len(chunks) + 2, dtype=torch.float32, device=self.compute_device)
             if requested:
                 flags[sorted(requested)] = 1.0
+            if requested or still_running:
                 flags[-2] = 1.0
             flags[-1] = -float(self._complete_in_order()) if self.reductions_wait_for_rounds else 0.0
             with Activity(_describe_round, requested, chunks):
@@ -325,6 +342,8 @@ class ChunkHooks:
         overwritten), and its gradient reaches the parameter's chunk through the same post-accumulate-grad hook as the
         forward's.
         """
+        for chunk in self.manager.chunks:
+            self.manager.reinstate(chunk)
         missing = {chunk.index for chunk in self.manager.chunks if chunk.state is ChunkState.SHARDED}
         self._gather_round(missing)
         for index in sorted(missing):
@@ -465,6 +484,7 @@ class ChunkHooks:
             if chunk.state is ChunkState.AWAITING_GRADIENTS:
                 chunk.move(ChunkState.GATHERED)
         self._release_frozen(keep=frozenset())
+        self.manager.forget_released()
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
         self._expect_every_gradient()
@@ -492,12 +512,6 @@ def _parameters_its_forward_may_read(module: nn.Module) -> Iterator[nn.Parameter
         for child in children:
             if isinstance(child, nn.Embedding):
                 yield from child.parameters(recurse=False)
-
-
-def _inside_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a forward now is a checkpoint's recomputation)."""
-    # torch.utils.checkpoint asks the same private question to tell its recomputation from a first forward.
-    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors_in(output: Any) -> Iterator[Tensor]:

@@ -21,6 +21,20 @@ tested. Both gathers can run ahead of the module that needs them (prefetch); the
 ``wait``. Every gathered buffer, staging buffer and full gradient is allocated when it is needed and dropped after
 (no pool: on CUDA the caching allocator recycles the blocks).
 
+[Note: weights autograd saved]
+Autograd keeps what a module's backward needs from its forward, and for a linear layer that includes a view of the
+weight (the transposed weight of the matrix product), which holds the gathered chunk's buffer after the engine
+released the chunk. The values in it are the gathered values, unchanged until the optimizer steps. So a chunk
+released in a forward while something else still holds its buffer keeps that buffer as ``released_full`` (instead of
+handing it to the pool, which could give it to another gather), and its next gather in the same step (its module's
+backward, or a second use in the forward, as a tied embedding) *reinstates* it: no exchange, no second buffer. Only
+FSDP2's kind of engine, which frees the storage at release and gathers into it again, needs the second gather. The
+hooks reinstate before a gather round, so a rank that reinstates asks for nothing and takes part in the others' gathers
+with its rows as usual. A released buffer is dropped (back to the pool) at the end of a forward if nothing but the
+chunk holds it (no gradient was recorded), at the end of backward, at a fresh gather of its chunk, and when the
+step or a load changes the shards (``release_all``, ``masters_to_shards``). Without torch's storage use count nothing
+is kept.
+
 [Note: two groups]
 Gathers happen where modules need their chunks; a chunk's gradient reduction happens once its gradients are complete,
 which is a local fact (a parameter may get no gradient on one rank, so that rank reduces the chunk only at the end of
@@ -44,7 +58,7 @@ from lightning_colossal.disk.optimizer_state import is_placeholder
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
-from lightning_colossal.engine_parts.buffer_pool import BufferPool
+from lightning_colossal.engine_parts.buffer_pool import BufferPool, held_elsewhere
 from lightning_colossal.engine_parts.staging import own_rows_into_whole, rows_from_slots, rows_into_slots
 from lightning_colossal.gemini.chunk import Chunk, ChunkState, Location
 from lightning_colossal.gemini.layout import ChunkMember, ChunkSpec
@@ -105,6 +119,8 @@ class ChunkManager:
         #: Host buffers of gathers, full gradients and staging, reused from step to step ([Note: reusing large host
         #: buffers] in ``engine_parts/buffer_pool.py``).
         self.buffers = BufferPool()
+        #: Gathers served by a buffer autograd kept ([Note: weights autograd saved]), for tests and benchmarks.
+        self.reinstated = 0
         self.chunks: list[Chunk] = []
         for spec, members in zip(specs, parameters, strict=True):
             dtype = members[0].dtype
@@ -159,6 +175,7 @@ class ChunkManager:
             return
         if chunk.is_gathered:
             return
+        self._forget_released(chunk)  # a fresh gather supersedes it
         if chunk.shard_location is Location.OFFLOAD and self.offload_device != self.compute_device:
             source = devices.to_device(chunk.shard, self.compute_device)
         else:
@@ -182,6 +199,32 @@ class ChunkManager:
             work.wait()
         chunk.move(ChunkState.GATHERED)
         self._point_parameters(chunk)
+
+    def reinstate(self, chunk: Chunk) -> bool:
+        """Gather ``chunk`` by taking back the buffer of its release earlier in this step, which autograd kept
+        ([Note: weights autograd saved]); ``False`` when there is none (the caller gathers in a round)."""
+        full = chunk.released_full
+        if full is None or chunk.state is not ChunkState.SHARDED:
+            return False
+        chunk.released_full = None
+        chunk.full = full
+        self._count_working_set(_nbytes(full))
+        chunk.move(ChunkState.GATHERED)
+        self._point_parameters(chunk)
+        self.reinstated += 1
+        return True
+
+    def forget_released(self, unless_held: bool = False) -> None:
+        """Drop the released buffers ([Note: weights autograd saved]); with ``unless_held``, only those nothing else
+        holds any more."""
+        for chunk in self.chunks:
+            if chunk.released_full is not None and not (unless_held and held_elsewhere(chunk.released_full)):
+                self._forget_released(chunk)
+
+    def _forget_released(self, chunk: Chunk) -> None:
+        full, chunk.released_full = chunk.released_full, None
+        if full is not None:
+            self.buffers.give_back(full)
 
     def _count_working_set(self, delta: int) -> None:
         self.working_set_bytes += delta
@@ -239,15 +282,17 @@ class ChunkManager:
             parameter.data = placeholder
 
     def release(self, chunk: Chunk) -> None:
-        """Drop the gathered buffer; the parameters become empty placeholders until the next gather."""
+        """Drop the gathered buffer (kept for a later gather in this step while autograd holds it, outside backward:
+        [Note: weights autograd saved]); the parameters become empty placeholders until the next gather."""
         if chunk.state is ChunkState.GATHERING:
             self.wait(chunk)
-        self._drop_gathered(chunk)
+        self._drop_gathered(chunk, keep_if_held=not inside_backward())
         self.detach_parameters(chunk)
 
     def release_all(self) -> None:
         """Release every gathered chunk (after each step and between stages; chunks stay valid, only the gathered
         copies go; their buffers stay kept for the next step's gathers, until ``buffers.clear()``)."""
+        self.forget_released()  # the step changes the shards: what was gathered before it is stale
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 self.wait(chunk)
@@ -263,12 +308,15 @@ class ChunkManager:
             parameter.data = parameter.data.clone()
         self._drop_gathered(chunk)
 
-    def _drop_gathered(self, chunk: Chunk) -> None:
+    def _drop_gathered(self, chunk: Chunk, keep_if_held: bool = False) -> None:
         chunk.move(ChunkState.SHARDED)
-        self._count_working_set(-_nbytes(chunk.full))
+        full, chunk.full = chunk.full, None
+        self._count_working_set(-_nbytes(full))
+        if keep_if_held and full is not None and held_elsewhere(full):
+            chunk.released_full = full  # [Note: weights autograd saved]
+            return
         # Reused once autograd let go of the weights it saved from it ([Note: reusing large host buffers]).
-        self.buffers.give_back(chunk.full)
-        chunk.full = None
+        self.buffers.give_back(full)
 
     def move_shard(self, chunk: Chunk, location: Location) -> None:
         """Move this rank's working shard to ``location`` (its master, if separate, stays where it is)."""
@@ -386,6 +434,7 @@ class ChunkManager:
 
     def masters_to_shards(self) -> None:
         """After the optimizer stepped (or masters were loaded): refresh the working shards from the masters."""
+        self.forget_released()
         with torch.no_grad():
             for chunk in self.chunks:
                 if not chunk.masters_alias_shard:
@@ -486,3 +535,9 @@ def _nbytes(tensor: Tensor | None) -> int:
     if tensor is None or is_placeholder(tensor):
         return 0  # state on disk between steps: held by the disk tier, not here
     return tensor.numel() * tensor.element_size()
+
+
+def inside_backward() -> bool:
+    """Whether autograd is running a backward on this thread (a forward now is a checkpoint's recomputation)."""
+    # torch.utils.checkpoint asks the same private question to tell its recomputation from a first forward.
+    return torch._C._current_graph_task_id() != -1
