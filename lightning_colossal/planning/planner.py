@@ -161,7 +161,7 @@ def evaluate(
         if setting.ep_size > 1
         else model_state(shapes, setting, training, data_parallel, rank=0)
     )
-    working = working_memory(model, setting, training, data_parallel)
+    working = working_memory(model, setting, training, data_parallel, workload.activation_checkpointing)
     activations = activation_estimate(
         model, training, workload, setting.tp_size, casts_weights=setting.family != "fsdp", sp_size=setting.sp_size
     )

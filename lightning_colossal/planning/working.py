@@ -7,7 +7,10 @@
   flight, each staged rank-major as ``world_size`` slots of a bucket, plus one for the parameter exchange; stage 1
   reduces in the gradients themselves and needs about two buckets for the exchange.
 - Gemini: the gathered chunks in use (about two: the one computing and the one whose gradients are being reduced) and
-  one chunk's fp32 full gradient (``gemini/manager.py``; ``max_prefetch`` adds more, 0 by default).
+  one chunk's fp32 full gradient (``gemini/manager.py``; ``max_prefetch`` adds more, 0 by default). Without
+  activation checkpointing and without autocast, autograd keeps views of every chunk's gathered weights from its
+  forward to its backward (``gemini/manager.py`` [Note: weights autograd saved]), so at the start of backward every
+  chunk is gathered once: that is the peak then.
 - The disk tier: a step streams the records on disk through 3 host buffers of the largest record
   (``disk/optimizer_state.py``: one being read, one stepped, one written); exact, as ``disk_staging_bytes``.
 - FSDP2: the root unit (everything outside the blocks: embeddings, final norm, head) stays gathered for the whole step
@@ -67,10 +70,22 @@ def _zero_buffers(shapes: Sequence[tuple[int, ...]], training: Training, stage: 
 
 
 def _gemini_buffers(
-    shapes: Sequence[tuple[int, ...]], training: Training, setting: Setting, world_size: int
+    shapes: Sequence[tuple[int, ...]],
+    training: Training,
+    setting: Setting,
+    world_size: int,
+    activation_checkpointing: bool,
 ) -> Working:
     chunks = chunk_layout(shapes, training.parameter_bytes, setting, world_size, 0)
     largest = max(chunk.numel for chunk in chunks)
+    if not activation_checkpointing and not training.mixed:
+        # Autograd holds every chunk's gathered weights until its backward (see the module docstring).
+        gathered = max(sum(chunk.numel for chunk in chunks), 2 * largest)
+        size = gathered * training.parameter_bytes + FP32 * largest
+        return Working(
+            Placed(device=size),
+            f"every chunk gathered ({len(chunks)}: autograd keeps the weights for backward) + 1 fp32 full gradient",
+        )
     size = 2 * largest * training.parameter_bytes + FP32 * largest
     return Working(Placed(device=size), f"2 gathered chunks of {largest:,} elements + 1 fp32 full gradient")
 
@@ -85,9 +100,11 @@ def _fsdp_buffers(model: ModelShape, training: Training) -> Working:
     return Working(Placed(device=size), "root unit gathered + 2 blocks gathered + 1 block's gradient")
 
 
-def working_memory(model: ModelShape, setting: Setting, training: Training, world_size: int) -> Working:
+def working_memory(
+    model: ModelShape, setting: Setting, training: Training, world_size: int, activation_checkpointing: bool = False
+) -> Working:
     """Estimated working memory of the fullest rank under ``setting`` (``world_size``: data-parallel ranks)."""
-    working = _buffers(model, setting, training, world_size)
+    working = _buffers(model, setting, training, world_size, activation_checkpointing)
     records = disk_records_of(model.shapes, setting, training, world_size, 0)
     if not records.staging_bytes:
         return working
@@ -98,7 +115,9 @@ def working_memory(model: ModelShape, setting: Setting, training: Training, worl
     )
 
 
-def _buffers(model: ModelShape, setting: Setting, training: Training, world_size: int) -> Working:
+def _buffers(
+    model: ModelShape, setting: Setting, training: Training, world_size: int, activation_checkpointing: bool
+) -> Working:
     if setting.family == "ddp":
         return Working(
             Placed(device=model.numel * training.parameter_bytes), "DDP's gradient buckets (gradient_as_bucket_view)"
@@ -108,5 +127,5 @@ def _buffers(model: ModelShape, setting: Setting, training: Training, world_size
     if setting.family == "hybrid":
         return _zero_buffers(model.tensor_parallel_shapes(setting.tp_size), training, setting.zero_stage, world_size)
     if setting.family == "gemini":
-        return _gemini_buffers(model.shapes, training, setting, world_size)
+        return _gemini_buffers(model.shapes, training, setting, world_size, activation_checkpointing)
     return _fsdp_buffers(model, training)

@@ -222,6 +222,23 @@ def test_zero_buffer_counts_mirror_the_engine():
     assert EXCHANGES_IN_FLIGHT == MAX_EXCHANGES_IN_FLIGHT
 
 
+def test_gemini_working_memory_holds_every_chunk_for_backward_unless_checkpointed_or_cast():
+    # gemini/manager.py [Note: weights autograd saved]: without activation checkpointing and autocast, every chunk's
+    # gathered weights stay held from its forward to its backward.
+    shape = ("--model", "demo", "--layers", "16", "--hidden", "512", "--vocab", "1024", "--devices", "2")
+    plain = plan_of(*shape, "--precision", "32-true")
+    gemini = evaluation_of(plain, "colossal_gemini").working
+    assert gemini.placed.device >= 4 * plain.model.numel, gemini
+    assert "every chunk gathered" in gemini.what
+    checkpointed = evaluation_of(
+        plan_of(*shape, "--precision", "32-true", "--activation-checkpointing"), "colossal_gemini"
+    )
+    cast = evaluation_of(plan_of(*shape, "--precision", "bf16-mixed"), "colossal_gemini")
+    for evaluation in (checkpointed, cast):
+        assert evaluation.working.what.startswith("2 gathered chunks"), evaluation.working
+        assert evaluation.working.placed.device < gemini.placed.device
+
+
 # ---------------------------------------------------------------------------------------------- fits and recommendation
 SEVEN_B = ("--parameters", "7e9", "--layers", "32", "--hidden", "4096", "--devices", "8")
 
