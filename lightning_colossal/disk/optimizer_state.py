@@ -231,8 +231,10 @@ class DiskOptimizerState:
         # Masters whose optimizer keeps no state shaped like them (plain SGD) step with the resident ones, unless
         # their values are on disk.
         self.on_disk = {id(entry.master) for record in self.records for entry in record.entries + record.master_entries}
-        #: The ids of the masters whose values this tier holds ([Note: masters on disk]).
-        self.master_ids = frozenset(id(entry.master) for record in self.records for entry in record.master_entries)
+        #: Each master whose values this tier holds, by id: its record and entry ([Note: masters on disk]).
+        self._master_entry_of = {
+            id(entry.master): (record, entry) for record in self.records for entry in record.master_entries
+        }
         self.slot_bytes = max((record.nbytes for record in self.records), default=0)
         self._streaming = False
         self._slots: list[Tensor] | None = None
@@ -436,7 +438,7 @@ class DiskOptimizerState:
     # ------------------------------------------------------------------------------------------------------ masters
     def holds_master(self, master: Tensor) -> bool:
         """Whether ``master``'s values live in this tier ([Note: masters on disk])."""
-        return id(master) in self.master_ids
+        return id(master) in self._master_entry_of
 
     def read_masters(self, visit: Callable[[Tensor, Tensor], None]) -> None:
         """``visit(master, value)`` for each master on disk, ``value`` a host view valid during the call; one record
@@ -466,18 +468,17 @@ class DiskOptimizerState:
         """A stand-in for ``master``'s values on disk, which a checkpoint reads or fills through this tier ([Note:
         deferred tensors] in ``engine_parts/stand_ins.py``); ``release`` (after a save) and ``store`` (after a load)
         withdraw it."""
-        for record in self.records:
-            for entry in record.master_entries:
-                if entry.master is master:
-                    value = stand_ins.stand_in(
-                        master.shape,
-                        entry.dtype,
-                        read=functools.partial(self._read_entry, record, entry),
-                        write=functools.partial(self._write_entry, record, entry),
-                    )
-                    self._master_stand_ins.append(value)
-                    return value
-        raise KeyError("this master's values are not in the disk tier (holds_master says which are)")
+        if id(master) not in self._master_entry_of:
+            raise KeyError("this master's values are not in the disk tier (holds_master says which are)")
+        record, entry = self._master_entry_of[id(master)]
+        value = stand_ins.stand_in(
+            master.shape,
+            entry.dtype,
+            read=functools.partial(self._read_entry, record, entry),
+            write=functools.partial(self._write_entry, record, entry),
+        )
+        self._master_stand_ins.append(value)
+        return value
 
     # ------------------------------------------------------------------------------------------------------ checkpoints
     def defer(self) -> None:

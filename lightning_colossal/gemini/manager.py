@@ -90,7 +90,6 @@ class ChunkManager:
         compute_device: where modules run.
         use_scatter_gather: gather with an all-gather of slots ([Note: chunk collectives per backend]).
         reduce_group: the same ranks as ``process_group``, for gradient reductions ([Note: two groups]).
-        reduce_scatter: reduce gradients with a reduce-scatter of slots; ``use_scatter_gather`` when ``None``.
     """
 
     def __init__(
@@ -102,7 +101,6 @@ class ChunkManager:
         compute_device: torch.device,
         use_scatter_gather: bool,
         reduce_group: ProcessGroup | None = None,
-        reduce_scatter: bool | None = None,
     ) -> None:
         self.process_group = process_group
         self.reduce_group = reduce_group if reduce_group is not None else process_group
@@ -114,7 +112,6 @@ class ChunkManager:
         self.compute_device = compute_device
         self.offload_device = torch.device("cpu")
         self.use_scatter_gather = use_scatter_gather
-        self.reduce_scatter = use_scatter_gather if reduce_scatter is None else reduce_scatter
         self.plan = plan
         #: Host buffers of gathers, full gradients and staging, reused from step to step ([Note: reusing large host
         #: buffers] in ``engine_parts/buffer_pool.py``).
@@ -370,7 +367,7 @@ class ChunkManager:
 
     def _launch_reduction(self, chunk: Chunk, full: Tensor) -> None:
         """Start the collective of ``reduce`` and queue it (its handle keeps the activity label for the wait)."""
-        if self.reduce_scatter and self.world_size > 1:
+        if self.use_scatter_gather and self.world_size > 1:
             staging = self.buffers.take(
                 self.world_size * chunk.spec.slot_numel, torch.float32, self.compute_device, zeroed=True
             ).view(self.world_size, chunk.spec.slot_numel)
