@@ -129,6 +129,10 @@ class GeminiConfig:
         offload_dir: directory on a local disk (NVMe) for the disk tier: the optimizer state that
             ``StaticPlacement(disk_fraction=...)`` or ``AutoPlacement(host_memory_budget=...)`` puts on disk lives in a
             per-run working directory under it, removed at the end of the run (``lightning_colossal/disk``).
+        masters_on_disk: the fp32 masters of the chunks whose optimizer state is on disk live in the same disk
+            records, so host memory holds neither (a master that is a separate copy of its working shard: the
+            parameters are bf16/fp16, or the shard lives on an accelerator; an fp32 shard in host memory is its own
+            master and stays). Needs the disk tier (``offload_dir`` with ``disk_fraction`` or ``host_memory_budget``).
     """
 
     placement: StaticPlacement | AutoPlacement = StaticPlacement()
@@ -141,6 +145,7 @@ class GeminiConfig:
     init_window_bytes: int = 2**30
     shard_frozen_parameters: bool = True
     offload_dir: str | None = None
+    masters_on_disk: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.placement, (StaticPlacement, AutoPlacement)):
@@ -178,4 +183,10 @@ class GeminiConfig:
             raise ValueError(
                 f"offload_dir={self.offload_dir!r} with automatic placement needs host_memory_budget: the optimizer"
                 " state of the chunks that do not fit that many bytes of host memory goes to disk."
+            )
+        if self.masters_on_disk and self.offload_dir is None:
+            raise ValueError(
+                "masters_on_disk=True needs the disk tier: the masters go to disk beside the optimizer state of the"
+                " same chunks. Pass offload_dir='/local_nvme' with StaticPlacement(offload_optim_frac=1.0,"
+                " disk_fraction=1.0) or AutoPlacement(host_memory_budget=...), or drop masters_on_disk."
             )

@@ -113,10 +113,12 @@ def state_bytes_per_element(optimizer: Optimizer) -> list[int]:
     return [sum(_element_size(dtype) for _, dtype in layout) for layout in _state_layout_by_group(optimizer)]
 
 
-def record_bytes(optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool = False) -> list[int]:
+def record_bytes(
+    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool | Sequence[bool] = False
+) -> list[int]:
     """Per group of masters, the bytes of its record in the tier (its state tensors, and with ``masters_on_disk`` the
     masters, each aligned inside it), as ``DiskOptimizerState`` will lay it out: what a budget decides with before the
-    tier exists."""
+    tier exists. ``masters_on_disk`` is one flag for every group or one per group."""
     return [record.nbytes for record in _lay_out_records(optimizer, groups, masters_on_disk)]
 
 
@@ -127,14 +129,15 @@ def staging_bytes_for(record_sizes: Sequence[int]) -> int:
 
 
 def _lay_out_records(
-    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool = False
+    optimizer: Optimizer, groups: Sequence[Sequence[Tensor]], masters_on_disk: bool | Sequence[bool] = False
 ) -> list[_Record]:
-    """One record per group: with ``masters_on_disk`` the masters' values first, then each master's state tensors
-    (the optimizer's layout), all at aligned offsets."""
+    """One record per group: with ``masters_on_disk`` (for every group, or per group) the masters' values first, then
+    each master's state tensors (the optimizer's layout), all at aligned offsets."""
     moments = _state_layout_by_group(optimizer)
     group_of = {id(master): index for index, group in enumerate(optimizer.param_groups) for master in group["params"]}
+    with_masters = _per_group(masters_on_disk, len(groups))
     records = []
-    for masters in groups:
+    for masters, masters_here in zip(groups, with_masters, strict=True):
         record = _Record(list(masters))
         offset = 0
 
@@ -145,7 +148,7 @@ def _lay_out_records(
             offset += entry.nbytes
             return entry
 
-        if masters_on_disk:
+        if masters_here:
             record.master_entries = [place(master, None, master.dtype) for master in masters]
         for master in masters:
             record.entries += [place(master, key, dtype) for key, dtype in moments[group_of[id(master)]]]
@@ -163,13 +166,14 @@ def open_disk_state(
     what: str,
     initial_masters: Callable[[Tensor, Tensor], None] | None = None,
     after_record: Callable[[Sequence[Tensor]], None] | None = None,
+    masters_of_groups: Sequence[bool] | None = None,
 ) -> DiskOptimizerState:
     """The disk tier for ``groups``' state under ``offload_dir``: its directory made, the room checked and claimed
     before training starts ([Note: the tier's directory is never a checkpoint] in ``files.py``).
 
-    With ``initial_masters`` the masters' values live in the tier too ([Note: masters on disk]):
-    ``initial_masters(master, target)`` fills each master's first values, one record at a time; ``after_record`` is
-    ``DiskOptimizerState``'s."""
+    With ``initial_masters`` the masters' values live in the tier too ([Note: masters on disk]), those of every group
+    or, with ``masters_of_groups``, of the groups flagged there: ``initial_masters(master, target)`` fills each
+    master's first values, one record at a time; ``after_record`` is ``DiskOptimizerState``'s."""
     directory = TierDirectory(offload_dir, rank)
     try:
         state = DiskOptimizerState(
@@ -177,7 +181,9 @@ def open_disk_state(
             groups,
             TierFile(directory, "optimizer_state.bin"),
             beside,
-            masters_on_disk=initial_masters is not None,
+            masters_on_disk=(masters_of_groups if masters_of_groups is not None else True)
+            if initial_masters is not None
+            else False,
             after_record=after_record,
         )
         directory.check_room(state.planned_bytes, what)
@@ -198,8 +204,9 @@ class DiskOptimizerState:
         groups: the masters whose state goes to disk, one record per group (each a list of master tensors).
         tier_file: where the records live.
         beside: the compute device (staging buffers are pinned beside an accelerator).
-        masters_on_disk: the records hold the masters' values too ([Note: masters on disk]); the caller made each
-            master a ``placeholder`` and writes its first values with ``write_masters`` before the first step.
+        masters_on_disk: the records hold the masters' values too ([Note: masters on disk]), every record's or (one
+            flag per group) the flagged ones'; the caller makes each such master a ``placeholder`` and writes its first
+            values with ``write_masters`` before the first step.
         after_record: called with a record's masters after they stepped, while they are still views of the staging
             buffer (and before it is written back).
     """
@@ -210,7 +217,7 @@ class DiskOptimizerState:
         groups: Sequence[Sequence[Tensor]],
         tier_file: TierFile,
         beside: torch.device = _HOST,
-        masters_on_disk: bool = False,
+        masters_on_disk: bool | Sequence[bool] = False,
         after_record: Callable[[Sequence[Tensor]], None] | None = None,
     ) -> None:
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -595,6 +602,15 @@ class DiskOptimizerState:
             yield
         finally:
             self.store()
+
+
+def _per_group(flags: bool | Sequence[bool], groups: int) -> list[bool]:
+    """One flag per group, from one flag for all of them or a flag per group."""
+    if isinstance(flags, bool):
+        return [flags] * groups
+    if len(flags) != groups:
+        raise ValueError(f"{len(flags)} masters_on_disk flags for {groups} groups: pass one flag, or one per group.")
+    return list(flags)
 
 
 def _io_bytes(record: _Record) -> int:

@@ -7,45 +7,68 @@ names (tied parameters have several), as a dim-0 ``DTensor`` ([Note: sharding al
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.gemini.layout import ChunkMember
 from lightning_colossal.gemini.manager import ChunkManager
+from lightning_colossal.gemini.masters_on_disk import DiskMasters
 
 
 def state_by_name(
-    manager: ChunkManager, names_of: Mapping[int, list[str]], device_mesh: DeviceMesh
+    manager: ChunkManager,
+    names_of: Mapping[int, list[str]],
+    device_mesh: DeviceMesh,
+    value_of: Callable[[Tensor], Tensor] = lambda view: view,
 ) -> dict[str, Tensor]:
-    """Every chunked parameter (all its names) as its fp32 master rows, a dim-0 DTensor aliasing the master."""
+    """Every chunked parameter (all its names) as its fp32 master rows, a dim-0 DTensor aliasing the master (or
+    ``value_of`` it: a stand-in for a master on disk)."""
     state: dict[str, Tensor] = {}
     for chunk in manager.chunks:
         for member, parameter, view in zip(chunk.spec.members, chunk.parameters, chunk.master_views, strict=True):
-            shard = sharded_state.as_global(view, member.spec, device_mesh)
+            shard = sharded_state.as_global(value_of(view), member.spec, device_mesh)
             for name in names_of[id(parameter)]:
                 state[name] = shard
     return state
 
 
 def load_full_weights(
-    manager: ChunkManager, names_of: Mapping[int, list[str]], weights: Mapping[str, Tensor]
+    manager: ChunkManager, names_of: Mapping[int, list[str]], weights: Mapping[str, Tensor], disk_masters: DiskMasters
 ) -> list[str]:
     """Take this rank's rows of every chunked parameter from whole tensors by name (any of its names) into the
-    masters, then refresh the working shards; returns the chunked names ``weights`` lacks."""
+    masters (those on disk through ``disk_masters``, a record at a time), then refresh the working shards; returns the
+    chunked names ``weights`` lacks."""
     manager.release_all()
     missing = []
+    parameter_of: dict[str, nn.Parameter] = {}
+
+    def source_of(parameter: nn.Parameter) -> Tensor | None:
+        return next((weights[name] for name in names_of[id(parameter)] if name in weights), None)
+
     with torch.no_grad():
         for chunk in manager.chunks:
             for member, parameter, view in zip(chunk.spec.members, chunk.parameters, chunk.master_views, strict=True):
-                source = next((weights[name] for name in names_of[id(parameter)] if name in weights), None)
+                source = source_of(parameter)
                 if source is None:
                     missing.append(member.name)
-                    continue
-                view.copy_(sharded_state.owned_rows_of(source, member.spec))
+                elif disk_masters.holds(view):
+                    parameter_of[member.name] = parameter
+                else:
+                    view.copy_(sharded_state.owned_rows_of(source, member.spec))
+        if parameter_of:
+
+            def rows_of(member: ChunkMember) -> Tensor | None:
+                source = source_of(parameter_of[member.name]) if member.name in parameter_of else None
+                return None if source is None else sharded_state.owned_rows_of(source, member.spec)
+
+            disk_masters.load_rows(rows_of)
     manager.masters_to_shards()
+    if disk_masters.disk_state is not None:
+        disk_masters.into_shards()
     return missing
 
 

@@ -94,6 +94,9 @@ class Chunk:
     gradients_arrived: int = 0
     reduced_this_backward: bool = False
     keep_gathered: bool = False
+    #: Its master's values live in the disk tier's records between steps (masters_on_disk.py); ``master`` and the
+    #: master views are placeholders there.
+    masters_on_disk: bool = False
     master_views: list[Tensor] = field(default_factory=list)
 
     @property
@@ -107,6 +110,8 @@ class Chunk:
 
     @property
     def masters_alias_shard(self) -> bool:
+        if self.masters_on_disk:
+            return False
         if self.master is self.shard:
             return True
         # Pointers are only comparable on one device (fake tensors, which have none, all answer 0).

@@ -14,6 +14,7 @@ The engine builds the chunks and is what the strategy talks to. The pieces it co
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -45,6 +46,7 @@ from lightning_colossal.gemini.hooks import ChunkHooks
 from lightning_colossal.gemini.initialise import materialise_chunks
 from lightning_colossal.gemini.layout import ChunkSpec, build_layout, check_chunk_numel, search_chunk_numel
 from lightning_colossal.gemini.manager import ChunkBytes, ChunkManager
+from lightning_colossal.gemini.masters_on_disk import DiskMasters, can_go_to_disk, leave_for_disk
 from lightning_colossal.gemini.placement import PlacementPlan, auto_plan, disk_by_host_budget, static_plan
 from lightning_colossal.gemini.prefetch import Prefetcher
 from lightning_colossal.gemini.tracer import MemoryTracer
@@ -113,6 +115,7 @@ class GeminiEngine(EngineDiskTier):
             compute_device,
             scatter_gather,
             self.reduce_group,
+            masters_on_disk=config.masters_on_disk and optimizer is not None,
         )
         self.chunk_of: dict[int, tuple[Chunk, int]] = {
             id(parameter): (chunk, position)
@@ -134,6 +137,8 @@ class GeminiEngine(EngineDiskTier):
                 if not chunk.frozen
             }
             optimizer_takeover.swap_parameters(optimizer, masters)
+        #: The masters the disk tier holds ([Note: Gemini's masters on disk]); none without ``masters_on_disk``.
+        self.disk_masters = DiskMasters([])
         #: The optimizer state of some chunks on disk between steps (``lightning_colossal/disk``), or ``None``.
         self.disk_state: DiskOptimizerState | None = None if optimizer is None else self._open_disk_tier(optimizer)
         self.tracer = MemoryTracer(compute_device, self._model_bytes_on_device)
@@ -179,15 +184,19 @@ class GeminiEngine(EngineDiskTier):
 
     def _open_disk_tier(self, optimizer: Optimizer) -> DiskOptimizerState | None:
         """Put the optimizer state of the chunks the placement sends to disk there: static placement's
-        ``disk_fraction``, or what does not fit automatic placement's ``host_memory_budget``."""
+        ``disk_fraction``, or what does not fit automatic placement's ``host_memory_budget``; with
+        ``masters_on_disk`` their separate masters too ([Note: Gemini's masters on disk])."""
         placement = self.config.placement
         trainable = [chunk for chunk in self.manager.chunks if not chunk.frozen]
+        masters_too = [self.config.masters_on_disk and can_go_to_disk(chunk) for chunk in trainable]
         if isinstance(placement, AutoPlacement):
             if placement.host_memory_budget is None:
                 return None
-            state_bytes = record_bytes(optimizer, [chunk.master_views for chunk in trainable])
+            state_bytes = record_bytes(optimizer, [chunk.master_views for chunk in trainable], masters_too)
+            # A master that would go to disk is counted in its record's bytes, not beside them.
             host_bytes = [
-                _host_bytes_without_state(chunk) + state for chunk, state in zip(trainable, state_bytes, strict=True)
+                _host_bytes_without_state(chunk, master_in_record=moves) + state
+                for chunk, state, moves in zip(trainable, state_bytes, masters_too, strict=True)
             ]
             frozen_host = sum(_tensor_bytes(chunk.shard) for chunk in self.manager.chunks if chunk.frozen)
             on_disk = disk_by_host_budget(
@@ -197,20 +206,39 @@ class GeminiEngine(EngineDiskTier):
                 has_disk=self.config.offload_dir is not None,
                 staging_bytes=staging_bytes_for,
             )
+            for chunk, moves in zip(trainable, masters_too, strict=True):
+                if moves and chunk.index in on_disk:
+                    leave_for_disk(chunk)  # its values are written from its shard below
         else:
             on_disk = self.manager.plan.disk_optimizer
-        groups = [chunk.master_views for chunk in trainable if chunk.index in on_disk]
-        if not groups:
+        chosen = [chunk for chunk in trainable if chunk.index in on_disk]
+        if not chosen:
             return None
         assert self.config.offload_dir is not None
-        return open_disk_state(
+        with_masters = [chunk.masters_on_disk for chunk in chosen]
+        if self.config.masters_on_disk and not any(with_masters) and self.rank == 0:
+            warnings.warn(
+                "masters_on_disk=True moved no master to disk: every chunk whose optimizer state is on disk is an fp32"
+                " shard in host memory, which is its own master (the working weights). It takes effect with bf16/fp16"
+                " parameters (precision='bf16-true') or shards on an accelerator.",
+                stacklevel=2,
+            )
+        self.disk_masters = DiskMasters(chosen)
+        what = f"the optimizer state of {len(chosen)} of {len(trainable)} chunks"
+        if any(with_masters):
+            what += f" and {sum(with_masters)} chunks' fp32 masters"
+        self.disk_masters.disk_state = open_disk_state(
             optimizer,
-            groups,
+            [chunk.master_views for chunk in chosen],
             self.config.offload_dir,
             rank=collectives.rank(),
             beside=self.compute_device,
-            what=f"the optimizer state of {len(groups)} of {len(trainable)} chunks",
+            what=what,
+            initial_masters=self.disk_masters.initial_values if any(with_masters) else None,
+            after_record=self.disk_masters.after_record if any(with_masters) else None,
+            masters_of_groups=with_masters,
         )
+        return self.disk_masters.disk_state
 
     def _fill_shards(self) -> None:
         if has_meta_tensors(self.module):
@@ -374,17 +402,29 @@ class GeminiEngine(EngineDiskTier):
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state_by_name(self) -> dict[str, Tensor]:
-        """Every chunked parameter (all its names, tied ones too) as its fp32 master rows, a dim-0 DTensor."""
-        return checkpoint_state.state_by_name(self.manager, self.names_of, self.device_mesh)
+        """Every chunked parameter (all its names, tied ones too) as its fp32 master rows, a dim-0 DTensor.
+        Masters on disk enter as the tier's stand-ins, which a checkpoint reads or fills one at a time."""
+        return checkpoint_state.state_by_name(self.manager, self.names_of, self.device_mesh, self.disk_masters.value_of)
+
+    def chunked_names(self) -> set[str]:
+        """Every name of every chunked parameter (what ``state_by_name`` describes)."""
+        return {
+            name
+            for chunk in self.manager.chunks
+            for parameter in chunk.parameters
+            for name in self.names_of[id(parameter)]
+        }
 
     def masters_loaded(self) -> None:
         """After masters were filled in place (a sharded checkpoint): refresh the working shards."""
         self.release_all()
         self.manager.masters_to_shards()
+        if self.disk_masters.disk_state is not None:
+            self.disk_masters.into_shards()
 
     def load_full_weights(self, weights: Mapping[str, Tensor]) -> list[str]:
         """Take this rank's rows from whole tensors by name; returns the chunked names ``weights`` lacks."""
-        return checkpoint_state.load_full_weights(self.manager, self.names_of, weights)
+        return checkpoint_state.load_full_weights(self.manager, self.names_of, weights, self.disk_masters)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Whole weights on every rank (CPU), gathered one chunk at a time; buffers and frozen parameters too."""
@@ -447,12 +487,12 @@ def _tensor_bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _host_bytes_without_state(chunk: Chunk) -> int:
+def _host_bytes_without_state(chunk: Chunk, master_in_record: bool = False) -> int:
     """What a trainable chunk keeps in host memory besides optimizer state under automatic placement: its shard
-    (counted there: automatic placement may park any shard on the host), its fp32 master unless the shard is it,
-    and its fp32 gradient shard."""
+    (counted there: automatic placement may park any shard on the host), its fp32 master unless the shard is it (or
+    ``master_in_record``: the disk record's bytes count it), and its fp32 gradient shard."""
     shard = _tensor_bytes(chunk.shard)
-    master = 0 if chunk.masters_alias_shard else chunk.spec.shard_numel * 4
+    master = 0 if chunk.masters_alias_shard or master_in_record else chunk.spec.shard_numel * 4
     return shard + master + chunk.spec.shard_numel * 4
 
 

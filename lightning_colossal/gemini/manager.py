@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from lightning_colossal.disk.optimizer_state import is_placeholder
+from lightning_colossal.disk.optimizer_state import is_placeholder, placeholder
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
@@ -90,6 +90,8 @@ class ChunkManager:
         compute_device: where modules run.
         use_scatter_gather: gather with an all-gather of slots ([Note: chunk collectives per backend]).
         reduce_group: the same ranks as ``process_group``, for gradient reductions ([Note: two groups]).
+        masters_on_disk: the chunks whose optimizer state the plan puts on disk keep their separate fp32 masters
+            there too: they get no master storage here (``masters_on_disk.py``).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class ChunkManager:
         compute_device: torch.device,
         use_scatter_gather: bool,
         reduce_group: ProcessGroup | None = None,
+        masters_on_disk: bool = False,
     ) -> None:
         self.process_group = process_group
         self.reduce_group = reduce_group if reduce_group is not None else process_group
@@ -135,6 +138,7 @@ class ChunkManager:
             # A shard that automatic placement will bring onto the compute device cannot share storage with a
             # master the optimizer keeps on the CPU.
             will_move = spec.index in plan.start_offloaded and self.offload_device != compute_device
+            master_on_disk = False
             if spec.frozen or (
                 dtype == torch.float32
                 and self.device_of(shard_location) == self.device_of(master_location)
@@ -143,6 +147,10 @@ class ChunkManager:
                 # An fp32 shard is its own master: no second copy (see chunk.py ``Chunk``); a frozen shard, of any
                 # dtype, is never stepped, so its "master" (what checkpoints read and load) is the shard itself.
                 master = shard
+            elif masters_on_disk and spec.index in plan.disk_optimizer:
+                # Never allocated: its values go straight from the shard into the disk tier (masters_on_disk.py).
+                master = placeholder(shard, torch.float32)
+                master_on_disk = True
             else:
                 master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device_of(master_location))
             chunk = Chunk(
@@ -153,6 +161,7 @@ class ChunkManager:
                 master_location=master_location,
                 parameters=list(members),
                 keep_gathered=spec.index in plan.keep_gathered,
+                masters_on_disk=master_on_disk,
             )
             chunk.master_views = [chunk.member_shard(master, member) for member in spec.members]
             chunk.gradients_expected = sum(1 for parameter in members if parameter.requires_grad)
@@ -434,13 +443,14 @@ class ChunkManager:
         self.forget_released()
         with torch.no_grad():
             for chunk in self.chunks:
-                if not chunk.masters_alias_shard:
+                # A master on disk reaches its shard as its record steps, or through the engine after a load.
+                if not chunk.masters_alias_shard and not chunk.masters_on_disk:
                     devices.copy_into(chunk.shard, chunk.master)
 
     def shards_to_masters(self) -> None:
         with torch.no_grad():
             for chunk in self.chunks:
-                if not chunk.masters_alias_shard:
+                if not chunk.masters_alias_shard and not chunk.masters_on_disk:
                     chunk.master.copy_(chunk.shard)
 
     # ---------------------------------------------------------------------------------------------- accounting

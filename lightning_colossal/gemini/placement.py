@@ -96,8 +96,9 @@ def disk_by_host_budget(
             "raise host_memory_budget, train on more ranks (each holds 1/N of the state), or pass offload_dir to put"
             " optimizer state on disk"
             if not has_disk
-            else "raise host_memory_budget or train on more ranks (each holds 1/N); fp32 masters, gradient shards,"
-            " offloaded parameter shards and the tier's staging buffers stay in host memory"
+            else "raise host_memory_budget, train on more ranks (each holds 1/N), or pass masters_on_disk=True with"
+            " bf16 parameters (fp32 masters go to disk too); gradient shards, offloaded parameter shards and the"
+            " tier's staging buffers stay in host memory"
         )
         raise HostBudgetTooSmall(
             f"This rank's model state needs {least:,} bytes of host memory"

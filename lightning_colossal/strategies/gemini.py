@@ -64,6 +64,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         init_window_bytes: int = 2**30,
         shard_frozen_parameters: bool = True,
         offload_dir: str | None = None,
+        masters_on_disk: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -78,6 +79,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
             init_window_bytes=init_window_bytes,
             shard_frozen_parameters=shard_frozen_parameters,
             offload_dir=offload_dir,
+            masters_on_disk=masters_on_disk,
         )
 
     def parameter_pieces(self) -> str | None:
@@ -198,7 +200,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
                 " Fix the model or load with `strict_loading = False` on the LightningModule."
             )
         self.engine.load_full_weights(state_dict)
-        chunked = set(self.engine.state_by_name())
+        chunked = self.engine.chunked_names()
         rest = {name: value for name, value in state_dict.items() if name not in chunked}
         self.lightning_module.load_state_dict(rest, strict=False)
 

@@ -402,6 +402,11 @@ def test_host_budget_counts_the_staging_buffers():
             lambda: ZeroConfig(stage=2, cpu_offload=True, disk_fraction=1.0, masters_on_disk=True),
             "needs offload_dir",
         ),
+        (lambda: GeminiConfig(masters_on_disk=True), "masters_on_disk=True needs the disk tier"),
+        (
+            lambda: GeminiConfig(placement=AutoPlacement(host_memory_budget=2**30), masters_on_disk=True),
+            "masters_on_disk=True needs the disk tier",
+        ),
     ],
 )
 def test_settings_name_the_fix(make, fix):
