@@ -317,6 +317,7 @@ def train(spec: dict[str, Any], probe: DeviceBytesProbe) -> Trainer:
         ),
         loader,
         [probe],
+        precision=spec.get("precision", "32-true"),
     )
     return trainer
 

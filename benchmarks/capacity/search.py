@@ -62,6 +62,8 @@ class CapacityStrategy:
         disk: the row keeps optimizer state on disk (``offload_dir``) and is held to a host budget H as well; it trains
             the disk workload (``--disk-embed-dim``, ``--disk-heads``, chunks of the largest parameter, activation
             checkpointing, the GPT built on the meta device; see ``row_arguments``).
+        precision: the Trainer's precision (``bf16-true``: bf16 working shards, so fp32 masters are separate copies
+            that ``masters_on_disk`` can move to disk).
     """
 
     label: str
@@ -70,6 +72,7 @@ class CapacityStrategy:
     planner_setting: str
     enforcement: str
     disk: bool = False
+    precision: str = "32-true"
 
 
 # Buckets are sized for the budget: ZeRO's default 25 MiB bucket would alone take most of a 64 MiB budget, and DDP's
@@ -136,6 +139,16 @@ STRATEGIES: dict[str, CapacityStrategy] = {
             " optimizer state of the chunks beyond H on disk under offload_dir) and measured as for Gemini; host model"
             " state (chunk bytes off the compute device) measured against H",
             disk=True,
+        ),
+        CapacityStrategy(
+            "colossal_gemini_auto_disk_masters",
+            "colossal_gemini",
+            {"placement": "budget+host", "masters_on_disk": True},
+            "colossal_gemini_offload",
+            "as colossal_gemini_auto_disk, with bf16 weights (precision='bf16-true') and the fp32 masters of the"
+            " chunks beyond H on disk too (masters_on_disk=True)",
+            disk=True,
+            precision="bf16-true",
         ),
         CapacityStrategy(
             "colossal_gemini_offload_all_disk",
@@ -257,7 +270,8 @@ def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespa
     """Host bytes of a disk row's rank at ``layers`` blocks with all optimizer state on disk, as automatic placement
     counts them against H: every fp32 shard and its fp32 gradient shard (8 bytes per element of a rank's share of the
     chunks), and the disk tier's three staging buffers of one chunk's Adam state (8 bytes per element of a shard,
-    4 KiB-aligned). 0 for other rows."""
+    4 KiB-aligned). With ``masters_on_disk`` and bf16 weights: a bf16 shard and the fp32 gradient shard (6 bytes),
+    and staging buffers that hold the masters too (12 bytes). 0 for other rows."""
     if not strategy.disk:
         return 0
     model = _planner_model(arguments, layers)
@@ -265,6 +279,8 @@ def predicted_host_bytes(strategy: CapacityStrategy, arguments: argparse.Namespa
 
     chunks = math.ceil(model.numel / arguments.chunk_numel)
     shard = math.ceil(arguments.chunk_numel / arguments.world_size)
+    if strategy.init_args.get("masters_on_disk") and strategy.precision == "bf16-true":
+        return chunks * shard * 6 + staging_bytes_for([shard * 12] * chunks)
     return chunks * shard * 8 + staging_bytes_for([shard * 8] * chunks)
 
 
@@ -398,6 +414,7 @@ def run_probe(strategy: CapacityStrategy, arguments: argparse.Namespace, layers:
         "activation_checkpointing": arguments.activation_checkpointing,
         "meta_init": arguments.meta_init,
         "peak_rule": arguments.peak_rule,
+        "precision": strategy.precision,
     }
     spec_path = directory / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
@@ -464,7 +481,8 @@ def measure_strategy(strategy: CapacityStrategy, arguments: argparse.Namespace, 
         "workload": {
             key: getattr(arguments, key)
             for key in ("embed_dim", "heads", "chunk_numel", "activation_checkpointing", "meta_init")
-        },
+        }
+        | {"precision": strategy.precision},
         "host_budget_bytes": arguments.host_budget_mib * MIB if strategy.disk else None,
         "largest": None if largest is None else _summary(outcomes[largest]),
         "first_failing": None if first_failing is None else _summary(outcomes[first_failing]),
@@ -544,7 +562,8 @@ def markdown(results: dict[str, dict[str, Any]], arguments: argparse.Namespace, 
         f"- Model: demo GPT, d{arguments.embed_dim}, {arguments.heads} heads, vocabulary {arguments.vocab}, tied head,"
         f" depth searched in 1–{arguments.max_layers} layers",
         f"- Workload: {arguments.world_size} CPU ranks (gloo, OMP_NUM_THREADS=1), {arguments.batch_size_per_rank}"
-        f" sequences x {arguments.sequence_length} tokens per rank, fp32, AdamW, {arguments.steps} steps per run",
+        f" sequences x {arguments.sequence_length} tokens per rank, AdamW, {arguments.steps} steps per run, fp32"
+        " unless a row says otherwise",
         f"- Software: {context['software']}, git {context['git']}",
         f"- Wall time: {context['wall_seconds']:.0f} s, {context['runs']} runs",
         "",
@@ -565,7 +584,8 @@ def disk_note(result: dict[str, Any]) -> str:
     note = (
         f"Workload: d{workload['embed_dim']}, {workload['heads']} heads, chunks of {workload['chunk_numel']:,}"
         f" elements, activation checkpointing {'on' if workload['activation_checkpointing'] else 'off'}, built on the"
-        f" meta device; H = {result['host_budget_bytes'] / MIB:g} MiB per rank."
+        f" meta device; precision {workload.get('precision', '32-true')}; H = {result['host_budget_bytes'] / MIB:g} MiB"
+        " per rank."
     )
     largest = result["largest"]
     if largest is None or "peak_host_bytes" not in largest:

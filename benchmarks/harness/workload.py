@@ -203,11 +203,13 @@ def train_on_cpu(
     module: LightningModule,
     loader: DataLoader,
     callbacks: list[Callback],
+    precision: str = "32-true",
 ) -> Trainer:
     """Fit ``module`` under ``strategy`` with a quiet Trainer (no logger, checkpoints, progress bar or summary: nothing
     but the strategy differs between configurations); returns the Trainer."""
     trainer = Trainer(
         accelerator="cpu",
+        precision=precision,
         devices=world_size,
         strategy=strategy,
         max_steps=max_steps,
