@@ -77,8 +77,8 @@ def _machine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _disk_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "disk tier (optimizer state on a local disk; weighed when a disk is given, recommended only when nothing"
-        " without it fits)"
+        "disk tier (optimizer state on a local disk, and its fp32 masters too where the state alone does not fit the"
+        " host; weighed when a disk is given, recommended only when nothing without it fits)"
     )
     group.add_argument(
         "--offload-dir",

@@ -31,7 +31,8 @@ class ChunkShape:
         optimizer_offloaded: master, gradient shard and optimizer state in host memory.
         parameters_offloaded: the working shard waits in host memory between uses.
         optimizer_on_disk: the optimizer state shaped like the parameters (Adam's moments) lives on disk between
-            steps (``StaticPlacement(disk_fraction=...)``; the master and gradient shard stay in host memory).
+            steps (``StaticPlacement(disk_fraction=...)``); the gradient shard stays in host memory, and so does the
+            master unless ``masters_on_disk`` moves it (``model_state.shard_is_master`` says whether there is one).
     """
 
     numel: int

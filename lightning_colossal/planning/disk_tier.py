@@ -1,12 +1,14 @@
 """The disk a node offers the disk tier (``lightning_colossal/disk``), and what a step's disk I/O costs at least.
 
-The disk tier keeps the optimizer state shaped like the parameters (Adam's two moments) in files under ``offload_dir``
-between steps, and each optimizer step reads every byte of it once and writes it back once (``model_state.py`` says
-which bytes; ``disk_records`` lays them out as the tier does, in records with aligned tensors). The ranks of a node share its disk, as they share its host memory, so a step moves every local rank's
-disk bytes through the one disk: (node's disk bytes / read bandwidth) + (node's disk bytes / write bandwidth) is the
-least time the step's I/O can take, taking a disk to share its bandwidth between the two directions (one that reads
-and writes at full speed at once could take as little as the larger of the two terms). The tier streams records
-while it steps others, so the step is not slower by the whole sum; but its I/O cannot finish sooner.
+The disk tier keeps the optimizer state shaped like the parameters (Adam's two moments), and with ``masters_on_disk``
+the fp32 masters of the same shards, in files under ``offload_dir`` between steps, and each optimizer step reads every
+byte of it once and writes it back once (``model_state.py`` says which bytes; ``disk_records`` lays them out as the
+tier does, in records with aligned tensors). The ranks of a node share its disk, as they share its host memory, so a
+step moves every local rank's disk bytes through the one disk: (node's disk bytes / read bandwidth) + (node's disk
+bytes / write bandwidth) is the least time the step's I/O can take, taking a disk to share its bandwidth between the
+two directions (one that reads and writes at full speed at once could take as little as the larger of the two terms).
+The tier streams records while it steps others, so the step is not slower by the whole sum; but its I/O cannot finish
+sooner.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ PLACEHOLDER_OFFLOAD_DIR = "/path/to/local/nvme"
 TENSOR_ALIGNMENT = 64
 RECORD_ALIGNMENT = 4096
 STAGING_SLOTS = 3
+# Bytes per element of a master in a record: the engines' masters are fp32.
+MASTER_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ def _align(size: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class DiskRecords:
-    """One rank's records in the disk tier's file: the bytes of each (its state tensors, aligned inside it)."""
+    """One rank's records in the disk tier's file: the bytes of each (its state tensors, and with ``masters_on_disk``
+    its masters, aligned inside it)."""
 
     record_bytes: tuple[int, ...] = ()
 
@@ -98,13 +103,34 @@ class DiskRecords:
         return min(STAGING_SLOTS, len(self.record_bytes)) * _align(max(self.record_bytes), RECORD_ALIGNMENT)
 
 
-def disk_records(groups: Sequence[Sequence[int]], state_tensors: int, element_bytes: int = 4) -> DiskRecords:
+def disk_records(
+    groups: Sequence[Sequence[int]],
+    state_tensors: int,
+    element_bytes: int = 4,
+    masters: bool | Sequence[bool] = False,
+) -> DiskRecords:
     """The records of ``groups`` (per record, the elements of each master in it), with ``state_tensors`` state
     tensors of ``element_bytes`` per element each (AdamW on fp32 masters: 2 of 4 bytes); empty records are dropped,
-    as the tier drops them."""
+    as the tier drops them.
+
+    ``masters`` (one flag for every record, or one per record): the record holds its masters' fp32 values too, all of
+    them ahead of the state tensors, each aligned like a state tensor (``masters_on_disk``; ``disk/optimizer_state.py``
+    [Note: masters on disk]).
+
+    Raises:
+        ValueError: a flag per record for a different number of records.
+    """
+    with_masters = [masters] * len(groups) if isinstance(masters, bool) else list(masters)
+    if len(with_masters) != len(groups):
+        raise ValueError(
+            f"{len(with_masters)} master flags for {len(groups)} records: pass one flag, or one per record."
+        )
     records = []
-    for group in groups:
+    for group, masters_here in zip(groups, with_masters, strict=True):
         offset = 0
+        if masters_here:
+            for numel in group:
+                offset = _align(offset, TENSOR_ALIGNMENT) + numel * MASTER_BYTES
         for numel in group:
             for _ in range(state_tensors):
                 offset = _align(offset, TENSOR_ALIGNMENT) + numel * element_bytes

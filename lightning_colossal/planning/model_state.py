@@ -13,23 +13,32 @@ test_plan_against_engines.py`` checks them to the byte against what ``MemoryMoni
 - torch's Adam/AdamW keep ``step`` as a 4-byte float32 scalar per parameter tensor, on the CPU (unless fused or
   capturable), so the planner puts it in host memory.
 - The disk tier (``lightning_colossal/disk``: ``ZeroConfig(disk_fraction=...)``, ``StaticPlacement(disk_fraction=...)``)
-  keeps only the optimizer state shaped like the parameters (Adam's two moments, SGD's momentum) on disk between
-  steps; the fp32 masters, the gradient shards and Adam's ``step`` scalars stay in host memory. Gemini counts its
-  share in chunk bytes from the first chunk (``static_plan``, as ``offload_optim_frac``), one record per chunk; ZeRO
-  counts it over this rank's rows in parameter order from the first, in records of about one gradient bucket. The
-  disk bytes are the tier's records as it lays them out (``disk_tier.disk_records``: each state tensor aligned to
-  64 bytes, each record to 4 KiB), which each optimizer step reads and writes once.
+  keeps the optimizer state shaped like the parameters (Adam's two moments, SGD's momentum) on disk between steps; the
+  gradient shards and Adam's ``step`` scalars stay in host memory. Gemini counts its share in chunk bytes from the
+  first chunk (``static_plan``, as ``offload_optim_frac``), one record per chunk; ZeRO counts it over this rank's rows
+  in parameter order from the first, in records of about one gradient bucket. The disk bytes are the tier's records as
+  it lays them out (``disk_tier.disk_records``: each tensor aligned to 64 bytes, each record to 4 KiB), which each
+  optimizer step reads and writes once.
+- Masters on disk (``masters_on_disk``; ``disk/optimizer_state.py`` [Note: masters on disk]): the fp32 masters of the
+  shards whose state is on disk move into the same records, ahead of the state, and leave host memory. Only a master
+  that is a separate tensor moves: ZeRO's always are under ``cpu_offload`` (which the disk tier needs); a Gemini chunk
+  whose fp32 shard is its own master (``shard_is_master``) keeps it, and its record holds the state alone. The moved
+  masters' own bytes (4 per element) are counted as parameters on disk, the rest of the records (state and alignment)
+  as optimizer state on disk, so the two add up to the tier's file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from lightning_colossal.engine_parts.rows import shard_spec
 from lightning_colossal.planning.disk_tier import DiskRecords, disk_records
 from lightning_colossal.planning.settings import Setting
+
+if TYPE_CHECKING:
+    from lightning_colossal.planning.chunks import ChunkShape
 
 __all__ = [
     "OPTIMIZERS",
@@ -40,6 +49,7 @@ __all__ = [
     "disk_records_of",
     "model_state",
     "owned_numel",
+    "shard_is_master",
 ]
 
 FP32 = 4
@@ -149,13 +159,15 @@ def _optimizer_state(elements: int, element_bytes: int, tensors: int, training: 
     return _at(optimizer.moments * element_bytes * elements, on_host) + Placed(host=optimizer.step_bytes * tensors)
 
 
-def _disk_tier(groups: Sequence[Sequence[int]], training: Training) -> Placed:
-    """The optimizer state of the masters in ``groups`` (one record each, elements per master) in the disk tier: the
-    records' bytes on disk. What the tier leaves in memory between steps is a placeholder per state tensor, a view of
-    one shared zero, which the engines' reports count as 0 bytes (``disk/optimizer_state.py`` ``is_placeholder``).
-    """
-    records = disk_records(groups, training.optimizer.moments, FP32)
-    return Placed(disk=records.file_bytes)
+def _disk_tier(groups: Sequence[Sequence[int]], masters: Sequence[bool], training: Training) -> tuple[Placed, Placed]:
+    """The masters in ``groups`` (one record each, elements per master) in the disk tier, ``masters`` flagging the
+    records that hold the masters' values too: (the moved masters' bytes, the rest of the records' bytes), both on
+    disk; together they are the tier's file. What the tier leaves in memory between steps is a placeholder per state
+    tensor and per moved master, a view of one shared zero, which the engines' reports count as 0 bytes
+    (``disk/optimizer_state.py`` ``is_placeholder``)."""
+    records = disk_records(groups, training.optimizer.moments, FP32, masters)
+    moved = FP32 * sum(sum(group) for group, here in zip(groups, masters, strict=True) if here)
+    return Placed(disk=moved), Placed(disk=records.file_bytes - moved)
 
 
 def _zero_disk_groups(owned_each: Sequence[int], disk_fraction: float) -> list[list[int]]:
@@ -197,6 +209,7 @@ def zero_state(
     world_size: int,
     rank: int,
     disk_fraction: float = 0.0,
+    masters_on_disk: bool = False,
 ) -> ModelState:
     """``colossal_zero1/2`` (and their ``_offload``), as ``ZeroEngine.memory_report`` counts them.
 
@@ -204,24 +217,30 @@ def zero_state(
     own (``ZeroEngine.masters_alias_parameters``); gradients: stage 1 whole in the parameters' dtype (the reduction
     buckets), stage 2 the own rows in an fp32 accumulator, plus an fp32 master-gradient shard next to separate masters.
     ``disk_fraction`` (with ``offload``): the moments of the first parameters whose own rows add up to at most that
-    share of this rank's rows live on disk, in the tier's records (``disk_tier.disk_records``).
+    share of this rank's rows live on disk, in the tier's records (``disk_tier.disk_records``); with
+    ``masters_on_disk`` their fp32 masters too (``ZeroEngine`` allocates its flat master buffer for the rest only).
     """
     if disk_fraction > 0 and not offload:
         raise ValueError(f"disk_fraction={disk_fraction} needs offload: optimizer state on disk is stepped on the CPU.")
+    if masters_on_disk and disk_fraction <= 0:
+        raise ValueError("masters_on_disk needs disk_fraction > 0: the masters go to disk beside their shards' state.")
     size, width = _numel(shapes), training.parameter_bytes
     owned_each = [shard_spec(shape, world_size, rank).local_numel for shape in shapes]
     owned = sum(owned_each)
+    on_disk = _zero_disk_groups(owned_each, disk_fraction)
+    on_disk_numel = sum(map(sum, on_disk))
     separate_masters = offload or width != FP32
-    master = _at(FP32 * owned, offload) if separate_masters else Placed()
+    # Under cpu_offload (which the disk tier needs) every master is a separate fp32 copy, so each one on disk leaves.
+    resident_masters = owned - on_disk_numel if masters_on_disk else owned
+    master = _at(FP32 * resident_masters, offload) if separate_masters else Placed()
     compute_gradients = Placed(device=width * size if stage == 1 else FP32 * owned)
     master_gradients = _at(FP32 * owned, offload) if separate_masters else Placed()
-    on_disk = _zero_disk_groups(owned_each, disk_fraction)
-    resident = owned - sum(map(sum, on_disk))
-    optimizer_state = _optimizer_state(resident, FP32, len(shapes), training, on_host=offload)
+    optimizer_state = _optimizer_state(owned - on_disk_numel, FP32, len(shapes), training, on_host=offload)
+    masters_moved, records = _disk_tier(on_disk, [masters_on_disk] * len(on_disk), training)
     return ModelState(
-        parameters=Placed(device=width * size) + master,
+        parameters=Placed(device=width * size) + master + masters_moved,
         gradients=compute_gradients + master_gradients,
-        optimizer_state=optimizer_state + _disk_tier(on_disk, training),
+        optimizer_state=optimizer_state + records,
     )
 
 
@@ -235,6 +254,21 @@ def fsdp_state(shapes: Sequence[Shape], training: Training, offload: bool, world
     )
 
 
+def shard_is_master(chunk: ChunkShape, training: Training) -> bool:
+    """Whether ``chunk``'s working shard is its own fp32 master (``ChunkManager``: both fp32 on the same device; on
+    CPU ranks the host is both), so there is no second copy, in memory or on disk."""
+    shard_on_host, master_on_host = chunk.parameters_offloaded, chunk.optimizer_offloaded
+    return training.parameter_bytes == FP32 and (shard_on_host == master_on_host or training.device_type == "cpu")
+
+
+def _gemini_masters_on_disk(chunks: Sequence[ChunkShape], setting: Setting, training: Training) -> list[bool]:
+    """Per chunk whose state is on disk, whether its master is in its record too: ``masters_on_disk`` moves only a
+    master that is a separate tensor from the shard."""
+    return [
+        setting.masters_on_disk and not shard_is_master(chunk, training) for chunk in chunks if chunk.optimizer_on_disk
+    ]
+
+
 def gemini_state(
     shapes: Sequence[Shape], training: Training, setting: Setting, world_size: int, rank: int
 ) -> ModelState:
@@ -243,18 +277,22 @@ def gemini_state(
     Per chunk: the working shard (parameters' dtype) where the placement parks parameters; the fp32 master, fp32
     gradient shard and optimizer state where it puts the optimizer. The master is the shard itself when the shard is
     fp32 and on the same device (always on CPU ranks). Under ``setting.disk_fraction`` the first chunks' moments
-    live on disk, one record per chunk (their masters and gradient shards stay in host memory).
+    live on disk, one record per chunk (their gradient shards stay in host memory), and with
+    ``setting.masters_on_disk`` their separate masters too.
     """
     from lightning_colossal.planning.chunks import chunk_layout
 
+    if setting.masters_on_disk and not setting.uses_disk:
+        raise ValueError("masters_on_disk needs disk_fraction > 0: the masters go to disk beside their chunks' state.")
     width = training.parameter_bytes
     total = ModelState(Placed(), Placed(), Placed())
     chunks = chunk_layout(shapes, width, setting, world_size, rank)
     for chunk in chunks:
         shard_on_host, master_on_host = chunk.parameters_offloaded, chunk.optimizer_offloaded
-        # ``ChunkManager``: the master is the shard when both are fp32 on the same device; the CPU is both.
-        aliased = width == FP32 and (shard_on_host == master_on_host or training.device_type == "cpu")
-        master = Placed() if aliased else _at(FP32 * chunk.shard_numel, master_on_host)
+        master_on_disk = setting.masters_on_disk and chunk.optimizer_on_disk
+        # A master on disk is counted with its record below; a shard that is its own master has none apart.
+        separate = not shard_is_master(chunk, training) and not master_on_disk
+        master = _at(FP32 * chunk.shard_numel, master_on_host) if separate else Placed()
         total = ModelState(
             parameters=total.parameters + _at(width * chunk.shard_numel, shard_on_host) + master,
             gradients=total.gradients + _at(FP32 * chunk.shard_numel, master_on_host),
@@ -264,7 +302,12 @@ def gemini_state(
             ),
         )
     on_disk = [list(chunk.member_numels) for chunk in chunks if chunk.optimizer_on_disk]
-    return replace(total, optimizer_state=total.optimizer_state + _disk_tier(on_disk, training))
+    masters_moved, records = _disk_tier(on_disk, _gemini_masters_on_disk(chunks, setting, training), training)
+    return ModelState(
+        parameters=total.parameters + masters_moved,
+        gradients=total.gradients,
+        optimizer_state=total.optimizer_state + records,
+    )
 
 
 def disk_records_of(
@@ -276,12 +319,14 @@ def disk_records_of(
     if setting.family == "zero":
         owned_each = [shard_spec(shape, world_size, rank).local_numel for shape in shapes]
         groups = _zero_disk_groups(owned_each, setting.disk_fraction)
+        masters = [setting.masters_on_disk] * len(groups)
     else:
         from lightning_colossal.planning.chunks import chunk_layout
 
         chunks = chunk_layout(shapes, training.parameter_bytes, setting, world_size, rank)
         groups = [list(chunk.member_numels) for chunk in chunks if chunk.optimizer_on_disk]
-    return disk_records(groups, training.optimizer.moments, FP32)
+        masters = _gemini_masters_on_disk(chunks, setting, training)
+    return disk_records(groups, training.optimizer.moments, FP32, masters)
 
 
 def model_state(
@@ -293,7 +338,14 @@ def model_state(
         return ddp_state(shapes, training)
     if setting.family in ("zero", "hybrid"):
         return zero_state(
-            shapes, training, setting.zero_stage, setting.offload, world_size, rank, setting.disk_fraction
+            shapes,
+            training,
+            setting.zero_stage,
+            setting.offload,
+            world_size,
+            rank,
+            setting.disk_fraction,
+            setting.masters_on_disk,
         )
     if setting.family == "fsdp":
         return fsdp_state(shapes, training, setting.offload, world_size, rank)

@@ -7,7 +7,9 @@ the host bytes of all ranks of a node fit the node's host memory, and (disk sett
 space of the node's disk. On CPU ranks device and host are one memory.
 
 Disk settings (``disk_tier.py``) are weighed only when the hardware has a disk, and recommended only when no setting
-without disk fits: their optimizer steps read and write the state on disk every step.
+without disk fits: their optimizer steps read and write the state on disk every step. Each is shown at the least
+share of its optimizer state on disk that fits the host, and with the fp32 masters of that share on disk too
+(``masters_on_disk``) only when no share of the state alone fits it.
 """
 
 from __future__ import annotations
@@ -314,6 +316,8 @@ def recommend(evaluations: list[Evaluation], hardware: Hardware) -> Recommendati
     reason = f"{chosen.setting.label}: fits with {_headroom_text(chosen, hardware)}{tight}; {chosen.setting.why_prefer}"
     if chosen.setting.uses_disk:
         reason += f"; {disk_io_text(chosen, hardware)}; chosen because no setting without disk fits"
+        if chosen.setting.masters_on_disk:
+            reason += ", and its masters on disk too because the optimizer state alone on disk does not fit the host"
     if skipped:
         more = f"; {len(skipped) - MAX_REASONS} more lose too" if len(skipped) > MAX_REASONS else ""
         reason += "; " + "; ".join(skipped[:MAX_REASONS]) + more
@@ -329,30 +333,58 @@ def candidate_settings(model: ModelShape, hardware: Hardware) -> list[Setting]:
     return settings
 
 
-def _least_disk(evaluations: list[Evaluation], hardware: Hardware) -> Evaluation:
-    """Of one setting's disk shares (smallest first), the first that leaves comfortable host headroom, else the first
-    that fits at all, else the largest."""
+def _first_fitting(evaluations: list[Evaluation], hardware: Hardware) -> Evaluation | None:
+    """Of one setting's disk shares (least I/O first), the first that leaves comfortable host headroom, else the
+    first that fits at all."""
     for minimum in (COMFORTABLE_HEADROOM, 0.0):
         for evaluation in evaluations:
             if evaluation.fits and hardware.host_memory - evaluation.host_bytes >= minimum * hardware.host_memory:
                 return evaluation
-    return evaluations[-1]
+    return None
+
+
+def _moves_masters(evaluation: Evaluation) -> bool:
+    """Whether a ``masters_on_disk`` setting puts any master on disk: a Gemini chunk whose fp32 shard is its own
+    master has none apart to move, and such a setting is the same as without it."""
+    return evaluation.model_state.parameters.disk > 0
+
+
+def _least_disk(base: str, model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> Evaluation:
+    """``base``'s disk row: the least share of its optimizer state on disk that fits (``_first_fitting``); when the
+    host is all that no share fits, the least share with the masters on disk too (more I/O per step for the same
+    share, so only as a further step); when nothing fits, the largest share of whichever was tried last, shown as not
+    fitting."""
+    assert hardware.disk is not None
+    offload_dir = hardware.disk.path
+
+    def shares(masters_on_disk: bool) -> list[Evaluation]:
+        return [
+            evaluate(model, disk_setting(base, fraction, offload_dir, masters_on_disk), hardware, training, workload)
+            for fraction in DISK_FRACTIONS
+        ]
+
+    state_only = shares(masters_on_disk=False)
+    chosen = _first_fitting(state_only, hardware)
+    if chosen is not None:
+        return chosen
+    # The masters only help where host memory is all that is short: they add to the disk and leave the device alone.
+    if not any(evaluation.fits_device and evaluation.fits_disk for evaluation in state_only):
+        return state_only[-1]
+    with_masters = [evaluation for evaluation in shares(masters_on_disk=True) if _moves_masters(evaluation)]
+    if not with_masters:
+        return state_only[-1]
+    return _first_fitting(with_masters, hardware) or with_masters[-1]
 
 
 def disk_evaluations(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> list[Evaluation]:
     """Each offload setting with a disk tier (``DISK_BASES``) at the least disk share of ``DISK_FRACTIONS`` that fits
-    the host (less on disk is less I/O per step); none when the hardware has no disk or the optimizer keeps no state
-    shaped like the parameters (plain SGD: nothing to put on disk). Also on CPU ranks, where the disk saves RAM."""
+    the host (less on disk is less I/O per step), with the masters of that share on disk too only where no share of
+    the optimizer state alone fits the host (``_least_disk``); none when the hardware has no disk or the optimizer
+    keeps no state shaped like the parameters (plain SGD: nothing to put on disk). Also on CPU ranks, where the disk
+    saves RAM."""
     if hardware.disk is None or training.optimizer.moments == 0:
         return []
-    chosen = []
-    for base in DISK_BASES:
-        shares = [
-            evaluate(model, disk_setting(base, fraction, hardware.disk.path), hardware, training, workload)
-            for fraction in DISK_FRACTIONS
-        ]
-        chosen.append(_least_disk(shares, hardware))
-    return chosen
+    return [_least_disk(base, model, hardware, training, workload) for base in DISK_BASES]
 
 
 def _plan_notes(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> tuple[str, ...]:
@@ -382,9 +414,14 @@ def _disk_notes(hardware: Hardware, training: Training) -> list[str]:
     shares = "/".join(f"{fraction:.0%}" for fraction in DISK_FRACTIONS)
     notes = [
         f"disk settings keep that share of the optimizer state ({training.optimizer.name}'s moments) on each node's"
-        f" disk; fp32 masters and gradient shards stay in host memory. Each is shown at the least share of {shares}"
-        " that fits the host, and recommended only when nothing without disk fits: every optimizer step reads the"
-        " state from disk and writes it back (the min disk I/O column: a lower bound of that step's I/O)"
+        f" disk; fp32 masters (unless marked '+ masters') and gradient shards stay in host memory. Each is shown at"
+        f" the least share of {shares} that fits the host, and recommended only when nothing without disk fits: every"
+        " optimizer step reads the state from disk and writes it back (the min disk I/O column: a lower bound of that"
+        " step's I/O)",
+        "a disk setting marked '+ masters' (masters_on_disk=True) also keeps the fp32 masters of that share on disk,"
+        " in the same records: shown only when no share of the optimizer state alone fits the host, as it adds 4"
+        " bytes an element to every step's reads and writes; a Gemini chunk whose fp32 shard is its own master has no"
+        " separate master to move",
     ]
     if disk.offload_dir is None:
         notes.append(

@@ -187,6 +187,7 @@ def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
         "tp_size": evaluation.setting.tp_size,
         "sp_size": evaluation.setting.sp_size,
         "disk_fraction": evaluation.setting.disk_fraction,
+        "masters_on_disk": evaluation.setting.masters_on_disk,
         "model_state": {
             "parameters": _placed(state.parameters),
             "gradients": _placed(state.gradients),

@@ -36,6 +36,9 @@ class Setting:
         offload_parameters: Gemini's ``offload_param_frac`` (parameter shards in host memory too).
         disk_fraction: share of the offloaded optimizer state (Adam's moments) on disk between steps (the disk tier:
             ``ZeroConfig.disk_fraction``, ``StaticPlacement.disk_fraction``); needs ``offload``.
+        masters_on_disk: the fp32 masters of the shards (ZeRO) or chunks (Gemini) whose optimizer state is on disk
+            live in the same records (``ZeroConfig.masters_on_disk``, ``GeminiConfig.masters_on_disk``); needs
+            ``disk_fraction``. A Gemini chunk whose fp32 shard is its own master has no separate master to move.
         tp_size: tensor-parallel ranks (hybrid).
         sp_size: ring-attention ranks (hybrid with ``sequence_parallel="ring"``): each holds ``1 / sp_size`` of every
             sequence, so its activations shrink by that factor, for key/value blocks sent around the ring per layer.
@@ -51,10 +54,18 @@ class Setting:
     offload: bool = False
     offload_parameters: float = 0.0
     disk_fraction: float = 0.0
+    masters_on_disk: bool = False
     tp_size: int = 1
     sp_size: int = 1
     ep_size: int = 1
     why_prefer: str = ""
+
+    def __post_init__(self) -> None:
+        if self.masters_on_disk and self.disk_fraction <= 0:
+            raise ValueError(
+                f"{self.label}: masters_on_disk needs disk_fraction > 0 (the masters go to disk beside their shards'"
+                " optimizer state); build it with disk_setting(base, fraction, offload_dir, masters_on_disk=True)."
+            )
 
     @property
     def uses_disk(self) -> bool:
@@ -109,23 +120,26 @@ DISK_BASES = (
 )
 
 
-def _disk_how(base: Setting, fraction: float, offload_dir: str) -> str:
+def _disk_how(base: Setting, fraction: float, offload_dir: str, masters_on_disk: bool) -> str:
+    # Both engines take the flag as a strategy argument (ZeroConfig's and GeminiConfig's masters_on_disk).
+    masters = ", masters_on_disk=True" if masters_on_disk else ""
     if base.family == "zero":
         return (
             f"ZeroStrategy(stage={base.zero_stage}, cpu_offload=True, offload_dir={offload_dir!r},"
-            f" disk_fraction={fraction})"
+            f" disk_fraction={fraction}{masters})"
         )
     parameters = ", offload_param_frac=1.0" if base.offload_parameters else ""
     sharding = "shard_param_frac=1.0, " if base.offload_parameters else ""
     return (
         f"GeminiStrategy(placement=StaticPlacement({sharding}offload_optim_frac=1.0{parameters},"
-        f" disk_fraction={fraction}), offload_dir={offload_dir!r})"
+        f" disk_fraction={fraction}), offload_dir={offload_dir!r}{masters})"
     )
 
 
-def disk_setting(base_label: str, fraction: float, offload_dir: str) -> Setting:
+def disk_setting(base_label: str, fraction: float, offload_dir: str, masters_on_disk: bool = False) -> Setting:
     """The offload setting ``base_label`` (one of ``DISK_BASES``) with ``fraction`` of its optimizer state (Adam's
-    moments) on disk under ``offload_dir``: masters and gradient shards stay in host memory.
+    moments) on disk under ``offload_dir``; with ``masters_on_disk`` the fp32 masters of the same shards or chunks go
+    there too (labelled ``+ masters``). Gradient shards stay in host memory.
 
     Raises:
         ValueError: a base without a disk tier, or a fraction outside (0, 1].
@@ -135,12 +149,14 @@ def disk_setting(base_label: str, fraction: float, offload_dir: str) -> Setting:
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"disk fraction {fraction}: pass a share in (0, 1].")
     base = setting_named(base_label)
+    what = "the optimizer state and its fp32 masters" if masters_on_disk else "the optimizer state"
     return replace(
         base,
-        label=f"{base_label} + disk {fraction:.0%}",
-        how=_disk_how(base, fraction, offload_dir),
+        label=f"{base_label} + disk {fraction:.0%}" + (" + masters" if masters_on_disk else ""),
+        how=_disk_how(base, fraction, offload_dir, masters_on_disk),
         disk_fraction=fraction,
-        why_prefer=f"{base.why_prefer}; {fraction:.0%} of the optimizer state on disk",
+        masters_on_disk=masters_on_disk,
+        why_prefer=f"{base.why_prefer}; {fraction:.0%} of {what} on disk",
     )
 
 

@@ -1,7 +1,8 @@
 """The planner's disk tier (``python -m lightning_colossal.plan --offload-dir ...``): bytes per tier (device, host,
-disk) of the disk settings, the least disk share that fits the host, the recommendation taking a disk setting only
-when nothing without disk fits, the step's disk I/O lower bound, the table and JSON, and the command-line options.
-The rest of the planner is ``tests/unit/test_plan.py``."""
+disk) of the disk settings, the least disk share that fits the host, the fp32 masters on disk too (``masters_on_disk``)
+when no share of the state alone does, checked against a one-rank ``ZeroEngine`` and the tier's own record layout, the
+recommendation taking a disk setting only when nothing without disk fits, the step's disk I/O lower bound, the table
+and JSON, and the command-line options. The rest of the planner is ``tests/unit/test_plan.py``."""
 
 from __future__ import annotations
 
@@ -29,8 +30,15 @@ from lightning_colossal.planning.disk_tier import (
     disk_records,
     io_seconds,
 )
-from lightning_colossal.planning.model_state import OPTIMIZERS, Placed, Training, model_state, owned_numel
-from lightning_colossal.planning.planner import Hardware, evaluate, make_plan, recommend
+from lightning_colossal.planning.model_state import (
+    OPTIMIZERS,
+    Placed,
+    Training,
+    disk_records_of,
+    model_state,
+    owned_numel,
+)
+from lightning_colossal.planning.planner import Hardware, disk_evaluations, evaluate, make_plan, recommend
 from lightning_colossal.planning.settings import DISK_BASES, disk_setting, setting_named
 from lightning_colossal.planning.sources import LayerShape, demo_model, parameter_count_model
 from lightning_colossal.planning.units import format_bytes
@@ -161,10 +169,244 @@ def test_disk_settings_extend_the_offload_settings_and_say_how():
         "GeminiStrategy(placement=StaticPlacement(shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0,"
         " disk_fraction=1.0), offload_dir='/nvme')"
     )
+    masters = disk_setting("colossal_zero1_offload", 0.75, "/nvme", masters_on_disk=True)
+    assert masters.label == "colossal_zero1_offload + disk 75% + masters" and masters.masters_on_disk
+    assert masters.how == (
+        "ZeroStrategy(stage=1, cpu_offload=True, offload_dir='/nvme', disk_fraction=0.75, masters_on_disk=True)"
+    )
+    assert disk_setting("colossal_gemini_offload", 1.0, "/nvme", masters_on_disk=True).how == (
+        "GeminiStrategy(placement=StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0), offload_dir='/nvme',"
+        " masters_on_disk=True)"
+    )
     with pytest.raises(ValueError, match="has no disk tier"):
         disk_setting("colossal_fsdp_offload", 1.0, "/nvme")
+    with pytest.raises(ValueError, match=r"masters_on_disk needs disk_fraction > 0 .* disk_setting\(base"):
+        replace(setting_named("colossal_zero2_offload"), masters_on_disk=True)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         disk_setting("colossal_zero2_offload", 0.0, "/nvme")
+
+
+def test_the_disk_settings_hows_build_the_strategies_they_name():
+    # ``use:`` is pasted into a Trainer: each disk setting's ``how`` must construct, with the settings it names.
+    from lightning_colossal import GeminiStrategy, StaticPlacement, ZeroStrategy
+
+    names = {"GeminiStrategy": GeminiStrategy, "StaticPlacement": StaticPlacement, "ZeroStrategy": ZeroStrategy}
+    for base in DISK_BASES:
+        for masters_on_disk in (False, True):
+            setting = disk_setting(base, 0.5, "/nvme", masters_on_disk)
+            strategy = eval(setting.how, names)  # noqa: S307 - the planner's own output, the point of the test
+            config = strategy.zero_config if setting.family == "zero" else strategy.gemini_config
+            assert (config.masters_on_disk, config.offload_dir) == (masters_on_disk, "/nvme"), setting.how
+
+
+# ---------------------------------------------------------------------------------------------- masters on disk
+# With masters_on_disk the record of ADAMW_RECORD holds the fp32 masters first: 1024 + 16 + 4096 bytes at 0, 1024 and
+# 1088, ending at 5184 (a multiple of 64); the moments follow, laid out as in ADAMW_RECORD (10368 bytes), ending at
+# 15552: 16384 bytes on disk.
+ADAMW_MASTERS_RECORD = 16384
+
+
+def test_zero_masters_on_disk_leave_host_memory_for_the_records():
+    psi_r, steps = owned_numel(SHAPES, WORLD, 0), 4 * len(SHAPES)
+    state_only = model_state(SHAPES, disk_setting("colossal_zero2_offload", 1.0, "/nvme"), FP32_ADAMW, WORLD, 0)
+    setting = disk_setting("colossal_zero2_offload", 1.0, "/nvme", masters_on_disk=True)
+    masters = model_state(SHAPES, setting, FP32_ADAMW, WORLD, 0)
+    assert disk_records([[256, 4, 1024]], 2, masters=True).record_bytes == (15552,)
+    # The masters' own 4 bytes an element are parameters on disk; the rest of the records is the optimizer state's.
+    assert masters.parameters == Placed(device=4 * sum(map(math.prod, SHAPES)), disk=4 * psi_r)
+    assert masters.optimizer_state == Placed(host=steps, disk=ADAMW_MASTERS_RECORD - 4 * psi_r)
+    assert masters.placed.disk == ADAMW_MASTERS_RECORD > state_only.placed.disk == ADAMW_RECORD
+    assert masters.gradients == state_only.gradients == Placed(device=4 * psi_r, host=4 * psi_r)
+    assert masters.placed.in_memory == state_only.placed.in_memory - 4 * psi_r
+    # The step streams the larger record, and reads and writes every byte of it.
+    assert disk_records_of(SHAPES, setting, FP32_ADAMW, WORLD, 0) == DiskRecords((15552,))
+    # A partial share moves the masters of its shards only: one rank, 512 of 1280 elements on disk.
+    shapes = [(64, 8), (64, 8), (32, 8)]
+    half = model_state(shapes, disk_setting("colossal_zero1_offload", 0.5, "/nvme", True), FP32_ADAMW, 1, 0)
+    assert half.parameters == Placed(device=4 * 1280, host=4 * (1280 - 512), disk=4 * 512)
+    assert half.placed.disk == 8192, "2048 bytes of masters + 4096 of moments, in 4 KiB blocks"
+
+
+# One rank's parameters with odd sizes, so that every tensor in the records needs padding to 64 bytes, and records
+# of several 4 KiB blocks, so that the masters' bytes show in the file.
+ENGINE_SHAPES = [(370, 5), (3,), (1290, 7), (11, 2), (1,)]
+
+
+def zero_engine_body(offload_dir: str, disk_fraction: float, momentum_only: bool) -> dict[str, int]:
+    """One ZeRO-2 offload step on this one rank with ``masters_on_disk``: the engine's memory report and the size of
+    the tier's file."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_colossal.config import ZeroConfig
+    from lightning_colossal.zero import ZeroEngine
+
+    torch.manual_seed(0)
+    module = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(shape)) for shape in ENGINE_SHAPES])
+    if momentum_only:
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    config = ZeroConfig(
+        stage=2, cpu_offload=True, offload_dir=offload_dir, disk_fraction=disk_fraction, masters_on_disk=True
+    )
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    engine = ZeroEngine(module, optimizer, config, mesh, torch.device("cpu"))
+    try:
+        sum((parameter * parameter).sum() for parameter in module).backward()
+        engine.step_optimizer(optimizer)
+        engine.after_step(stepped=True)
+        assert engine.disk_state is not None
+        report = engine.memory_report()._asdict()
+        report["file_bytes"] = os.stat(engine.disk_state.file.path).st_size
+        report["masters_on_disk"] = sum(engine.disk_state.holds_master(master) for master in engine.masters)
+    finally:
+        engine.close_disk_tier()
+        engine.remove()
+    return report
+
+
+@pytest.mark.parametrize(("disk_fraction", "optimizer"), [(1.0, "adamw"), (0.5, "adamw"), (1.0, "sgd-momentum")])
+def test_zero_masters_on_disk_bytes_are_what_the_engine_lays_out(rank_pool_1, tmp_path, disk_fraction, optimizer):
+    training = Training("32-true", OPTIMIZERS[optimizer], device_type="cpu")
+    setting = disk_setting("colossal_zero2_offload", disk_fraction, str(tmp_path), masters_on_disk=True)
+    planned = model_state(ENGINE_SHAPES, setting, training, 1, 0)
+    records = disk_records_of(ENGINE_SHAPES, setting, training, 1, 0)
+    (measured,) = rank_pool_1.run(zero_engine_body, str(tmp_path), disk_fraction, optimizer == "sgd-momentum")
+    # Half of the 10906 elements: the first two parameters (1850 + 3); the third (9030) would pass it.
+    assert measured["masters_on_disk"] == (len(ENGINE_SHAPES) if disk_fraction == 1.0 else 2)
+    # Host memory: the masters left on the host (the engine's flat buffer), the gradients, the optimizer state.
+    assert planned.parameters.host == measured["master_bytes"]
+    assert (measured["master_bytes"] > 0) == (disk_fraction < 1), "only the masters not on disk stay in the buffer"
+    assert planned.parameters.in_memory == measured["parameter_bytes"] + measured["master_bytes"]
+    assert planned.gradients.in_memory == measured["gradient_bytes"]
+    assert planned.optimizer_state.in_memory == measured["optimizer_state_bytes"]
+    # Disk: the tier's file as planned and as claimed, masters and state together; the staging buffers of a step.
+    assert planned.placed.disk == records.file_bytes == measured["disk_bytes"] == measured["file_bytes"]
+    assert records.staging_bytes == measured["disk_staging_bytes"]
+
+
+def test_gemini_moves_only_masters_apart_from_their_shards():
+    # Six chunks (test_a_partial_disk_share_counts_chunk_bytes_from_the_first_chunk) on 2 ranks, all their state on
+    # disk. The records are what the tier's own layout function makes of the chunks' master views.
+    import torch
+
+    from lightning_colossal.disk.optimizer_state import record_bytes
+
+    model = parameter_count_model(LayerShape(parameters=150_000_000, layers=4, hidden=1024, vocab=32000))
+    shapes, world = model.shapes, 2
+
+    def expected(setting: Any, training: Training) -> tuple[int, int]:
+        """(bytes of masters that move, the tier's file): a master moves when it is not its fp32 shard, that is
+        when the parameters are not fp32, or when the shard is on the device and the master in host memory."""
+        moved = file_bytes = 0
+        for chunk in chunk_layout(shapes, training.parameter_bytes, setting, world, 0):
+            if not chunk.optimizer_on_disk:
+                continue
+            apart = training.parameter_bytes != 4 or (training.device_type == "cuda" and not chunk.parameters_offloaded)
+            masters = [torch.empty(numel, device="meta") for numel in chunk.member_numels]
+            optimizer = torch.optim.AdamW(masters, lr=1e-3)
+            (size,) = record_bytes(optimizer, [masters], masters_on_disk=setting.masters_on_disk and apart)
+            moved += 4 * chunk.shard_numel if setting.masters_on_disk and apart else 0
+            file_bytes += -(-size // 4096) * 4096
+        return moved, file_bytes
+
+    # Half the chunks keep their parameter shards in host memory (there the fp32 shard is its own master).
+    half_offloaded = replace(
+        disk_setting("colossal_gemini (all offloaded)", 1.0, "/nvme", True), offload_parameters=0.5
+    )
+    cases = [
+        (disk_setting("colossal_gemini_offload", 1.0, "/nvme", True), FP32_ADAMW),
+        (disk_setting("colossal_gemini (all offloaded)", 1.0, "/nvme", True), FP32_ADAMW),
+        (disk_setting("colossal_gemini (all offloaded)", 1.0, "/nvme", True), Training("bf16-true", ADAMW)),
+        (disk_setting("colossal_gemini_offload", 1.0, "/nvme", True), Training("32-true", ADAMW, "cpu")),
+        (half_offloaded, FP32_ADAMW),
+    ]
+    moved_in = []
+    for setting, training in cases:
+        moved, file_bytes = expected(setting, training)
+        masters = model_state(shapes, setting, training, world, 0)
+        state_only = model_state(shapes, replace(setting, masters_on_disk=False), training, world, 0)
+        assert masters.parameters.disk == moved, setting.label
+        assert masters.placed.disk == file_bytes == disk_records_of(shapes, setting, training, world, 0).file_bytes
+        assert masters.placed.in_memory == state_only.placed.in_memory - moved, setting.label
+        assert masters.placed.device == state_only.placed.device, "the masters leave host memory only"
+        moved_in.append(moved)
+    # All of them, none (fp32 shards on the host), all (bf16 shards), none (CPU ranks), and some.
+    every = 4 * owned_numel(shapes, world, 0)
+    assert moved_in[:4] == [every, 0, every, 0] and 0 < moved_in[4] < every
+
+
+def test_masters_on_disk_are_a_further_step_when_the_state_alone_does_not_fit_the_host():
+    model = parameter_count_model(LayerShape(parameters=150_000_000, layers=4, hidden=1024, vocab=32000))
+    training, workload = Training("bf16-mixed", ADAMW), Workload(1, 512)
+    hardware = Hardware(devices_per_node=2, nodes=1, device_memory=80 * GIB, host_memory=GIB, disk=Disk(3e9, 2e9))
+
+    def shares(masters_on_disk: bool) -> dict[float, Any]:
+        return {
+            fraction: evaluate(
+                model,
+                disk_setting("colossal_zero2_offload", fraction, "/nvme", masters_on_disk),
+                hardware,
+                training,
+                workload,
+            )
+            for fraction in DISK_FRACTIONS
+        }
+
+    state_only, masters = shares(False), shares(True)
+    for fraction in DISK_FRACTIONS:  # the same share moves more with the masters, every step
+        assert masters[fraction].disk_io_seconds > state_only[fraction].disk_io_seconds
+    # Large records (one parameter of 16384000 rows a rank) make the staging buffers weigh: 75% with the masters
+    # needs less host memory than the state alone at 100%, and 100% with them less still.
+    assert masters[1.0].host_bytes < masters[0.75].host_bytes < state_only[1.0].host_bytes
+
+    def chosen(host_memory: int) -> Any:
+        rows = disk_evaluations(model, replace(hardware, host_memory=host_memory), training, workload)
+        (row,) = [row for row in rows if row.setting.label.startswith("colossal_zero2_offload + ")]
+        return row
+
+    assert not chosen(state_only[1.0].host_bytes).setting.masters_on_disk, "the state alone fits: no masters"
+    # It does not: the least share with the masters that fits, 75% (less I/O than 100%, which fits too).
+    further = chosen(state_only[1.0].host_bytes - 1)
+    assert further.setting.label == "colossal_zero2_offload + disk 75% + masters" and further.fits
+    assert further.how.endswith("disk_fraction=0.75, masters_on_disk=True)")
+    assert chosen(masters[1.0].host_bytes).setting.label == "colossal_zero2_offload + disk 100% + masters"
+    nothing = chosen(masters[1.0].host_bytes - 1)
+    assert nothing.setting.label == "colossal_zero2_offload + disk 100% + masters" and not nothing.fits_host
+    # Where the device is what is short, the masters cannot help: the state's largest share stays.
+    small_device = replace(hardware, device_memory=GIB, host_memory=state_only[1.0].host_bytes - 1)
+    rows = disk_evaluations(model, small_device, training, workload)
+    assert not any(row.setting.masters_on_disk for row in rows) and not any(row.fits for row in rows)
+
+
+def test_a_recommended_masters_setting_says_why_in_the_table_and_json(capsys):
+    argv = [*SEVEN_B, "--activation-checkpointing", "--device-memory", "16GiB", "--host-memory", "40GiB", *GIVEN_DISK]
+    plan = plan_of(*argv)
+    label = "colossal_gemini_offload + disk 100% + masters"
+    assert plan.recommendation.label == label
+    assert plan.recommendation.how == (
+        "GeminiStrategy(placement=StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0),"
+        f" offload_dir={PLACEHOLDER_OFFLOAD_DIR!r}, masters_on_disk=True)"
+    )
+    assert (
+        "its masters on disk too because the optimizer state alone on disk does not fit" in plan.recommendation.reason
+    )
+    # The fully offloaded Gemini keeps bf16-mixed's fp32 shards in host memory as their own masters: nothing to move.
+    assert evaluation_of(plan, "colossal_gemini (all offloaded) + disk 100%").model_state.parameters.disk == 0
+    row = evaluation_of(plan, label)
+    every = 4 * owned_numel(plan.model.shapes, 8, 0)
+    assert row.model_state.parameters.disk == every and row.model_state.parameters.host == 0
+    assert row.disk_bytes == 8 * row.disk_bytes_per_rank and row.disk_bytes_per_rank >= 3 * every, "12 bytes an element"
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    line = next(line for line in table.splitlines() if line.startswith(label))
+    assert f"+{format_bytes(every)} D " in line and f"use: {plan.recommendation.how}" in table
+    assert "'+ masters' (masters_on_disk=True)" in table
+    assert main([*argv, "--json"]) == 0
+    entry = next(entry for entry in json.loads(capsys.readouterr().out)["settings"] if entry["setting"] == label)
+    assert entry["masters_on_disk"] is True and entry["model_state"]["parameters"]["disk"] == every
+    assert entry["disk_io"]["read_bytes_per_step_per_node"] == 8 * entry["disk_bytes_per_rank"]
 
 
 # ---------------------------------------------------------------------------------------------- step time
@@ -251,17 +493,18 @@ def test_each_disk_setting_takes_the_least_share_that_fits_the_host():
     assert [shares[fraction].working.placed.host for fraction in DISK_FRACTIONS] == [record] + 3 * [3 * record]
     assert shares[0.5].host_bytes > shares[0.25].host_bytes > shares[1.0].host_bytes
 
-    def chosen(host_memory: int) -> float:
+    def chosen(host_memory: int) -> tuple[float, bool]:
         plan = make_plan(model, replace(hardware, host_memory=host_memory), training, workload)
         gemini = [row for row in disk_rows(plan) if row.setting.label.startswith("colossal_gemini_offload + ")]
         assert len(gemini) == 1
-        return gemini[0].setting.disk_fraction
+        return gemini[0].setting.disk_fraction, gemini[0].setting.masters_on_disk
 
     # The first share in 25/50/75/100% order that leaves 10% of host memory, else the first that fits at all.
-    assert chosen(math.ceil(shares[0.25].host_bytes / 0.9)) == 0.25
-    assert chosen(math.ceil(shares[1.0].host_bytes / 0.9)) == 1.0
-    assert chosen(shares[1.0].host_bytes) == 1.0, "no share leaves 10%: the first that fits at all"
-    assert chosen(shares[1.0].host_bytes - 1) == 1.0, "none fits: the largest share, shown as not fitting"
+    assert chosen(math.ceil(shares[0.25].host_bytes / 0.9)) == (0.25, False)
+    assert chosen(math.ceil(shares[1.0].host_bytes / 0.9)) == (1.0, False)
+    assert chosen(shares[1.0].host_bytes) == (1.0, False), "no share leaves 10%: the first that fits at all"
+    # No share of the state alone fits: the masters go too (test_masters_on_disk_are_a_further_step_...).
+    assert chosen(shares[1.0].host_bytes - 1) == (1.0, True)
     # Plain SGD keeps nothing shaped like the parameters: no disk settings, and a note says why.
     sgd = make_plan(model, hardware, Training("bf16-mixed", OPTIMIZERS["sgd"]), workload)
     assert not disk_rows(sgd) and any("no disk settings" in note for note in sgd.notes)
