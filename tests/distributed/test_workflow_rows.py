@@ -175,6 +175,35 @@ def test_checkpoint_saved_after_evaluation_resumes_like_the_one_saved_after_fit(
     assert failures == [[], []]
 
 
+def _on_disk(kind: str, offload_dir: str) -> StrategySpec:
+    """The disk tier's variants: optimizer state and fp32 masters on disk, read through stand-ins when saved."""
+    if kind == "zero2":
+        return (
+            "zero",
+            {
+                "stage": 2,
+                "cpu_offload": True,
+                "offload_dir": offload_dir,
+                "disk_fraction": 1.0,
+                "masters_on_disk": True,
+            },
+        )
+    placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0)
+    return (
+        "gemini",
+        {"chunk_numel": 1100, "placement": placement, "offload_dir": offload_dir, "masters_on_disk": True},
+    )
+
+
+@pytest.mark.parametrize("kind", ["zero2", "gemini"])
+def test_checkpoint_saved_after_evaluation_resumes_with_masters_on_disk(rank_pool_2, tmp_path, kind):
+    # The fit's engine keeps its disk tier through the evaluations; each save after them reads its masters and state
+    # through the tier's stand-ins, and each resume writes them into a new tier.
+    spec = _on_disk(kind, str(tmp_path / "tier"))
+    failures = rank_pool_2.run(resume_after_evaluation_body, spec, str(tmp_path), "bf16-true", timeout=300)
+    assert failures == [[], []]
+
+
 # ------------------------------------------------------------------------------------------------ row 2: summary
 class _SummaryLog(logging.Handler):
     def __init__(self) -> None:
