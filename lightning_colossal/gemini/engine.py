@@ -47,7 +47,13 @@ from lightning_colossal.gemini.initialise import materialise_chunks
 from lightning_colossal.gemini.layout import ChunkSpec, build_layout, check_chunk_numel, search_chunk_numel
 from lightning_colossal.gemini.manager import ChunkBytes, ChunkManager
 from lightning_colossal.gemini.masters_on_disk import DiskMasters, can_go_to_disk, leave_for_disk
-from lightning_colossal.gemini.placement import PlacementPlan, auto_plan, disk_by_host_budget, static_plan
+from lightning_colossal.gemini.placement import (
+    HostBudgetTooSmall,
+    PlacementPlan,
+    auto_plan,
+    disk_by_host_budget,
+    static_plan,
+)
 from lightning_colossal.gemini.prefetch import Prefetcher
 from lightning_colossal.gemini.tracer import MemoryTracer
 
@@ -199,13 +205,18 @@ class GeminiEngine(EngineDiskTier):
                 for chunk, state, moves in zip(trainable, state_bytes, masters_too, strict=True)
             ]
             frozen_host = sum(_tensor_bytes(chunk.shard) for chunk in self.manager.chunks if chunk.frozen)
-            on_disk = disk_by_host_budget(
-                [*host_bytes, frozen_host],
-                [*state_bytes, 0],
-                placement.host_memory_budget,
-                has_disk=self.config.offload_dir is not None,
-                staging_bytes=staging_bytes_for,
-            )
+            refusal: HostBudgetTooSmall | None = None
+            try:
+                on_disk = disk_by_host_budget(
+                    [*host_bytes, frozen_host],
+                    [*state_bytes, 0],
+                    placement.host_memory_budget,
+                    has_disk=self.config.offload_dir is not None,
+                    staging_bytes=staging_bytes_for,
+                )
+            except HostBudgetTooSmall as error:
+                refusal = error
+            self._agree_on_the_host_budget(refusal)
             for chunk, moves in zip(trainable, masters_too, strict=True):
                 if moves and chunk.index in on_disk:
                     leave_for_disk(chunk)  # its values are written from its shard below
@@ -239,6 +250,22 @@ class GeminiEngine(EngineDiskTier):
             masters_of_groups=with_masters,
         )
         return self.disk_masters.disk_state
+
+    def _agree_on_the_host_budget(self, refusal: HostBudgetTooSmall | None) -> None:
+        """Every rank raises when one rank's share does not fit ``host_memory_budget`` (the ranks' shares differ by a
+        few rows, so one rank may fit where another does not): without this the others would go on into the next
+        collective and wait there for a rank that has stopped. One small all-reduce."""
+        flag = torch.tensor([0 if refusal is None else 1])
+        with Activity("agreeing whether every rank's model state fits host_memory_budget"):
+            collectives.all_reduce(flag, op="max", group=self.process_group)
+        if refusal is not None:
+            raise refusal
+        if flag.item():
+            raise HostBudgetTooSmall(
+                "Another rank's model state does not fit host_memory_budget (that rank's error names the bytes; the"
+                " ranks hold different shares of the chunks), though this rank's does: raise host_memory_budget or"
+                " train on more ranks."
+            )
 
     def _fill_shards(self) -> None:
         if has_meta_tensors(self.module):

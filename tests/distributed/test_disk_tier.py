@@ -200,6 +200,25 @@ def test_host_budget_counts_the_staging_buffers_and_stays_exact(rank_pool_2, tmp
             assert torch.equal(disk_rank["parameters"][name], value), name
 
 
+def _one_rank_over_budget_body(offload_dir: str) -> str:
+    """Only rank 0 gets a budget too small for its share (as when the ranks' shares differ by a few rows)."""
+    from lightning_colossal.gemini.placement import HostBudgetTooSmall
+
+    budget = 1 if torch.distributed.get_rank() == 0 else 2**40
+    try:
+        _host_budget_body(offload_dir, budget)
+    except HostBudgetTooSmall as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_rank_over_the_host_budget_stops_every_rank_with_the_budget_error(rank_pool_2, tmp_path):
+    # Without the agreement rank 1 would train into its first gather and wait there for rank 0 until the timeout.
+    first, second = rank_pool_2.run(_one_rank_over_budget_body, str(tmp_path), timeout=120)
+    assert "more than host_memory_budget=1" in first, first
+    assert second.startswith("Another rank's model state does not fit host_memory_budget"), second
+
+
 def _tier_lifetime_body(offload_dir: str) -> dict[str, Any]:
     import gc
 

@@ -25,7 +25,13 @@ from lightning_colossal.disk.optimizer_state import is_placeholder
 from lightning_colossal.engine_parts import stand_ins
 from lightning_colossal.gemini.placement import HostBudgetTooSmall
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
-from tests.distributed.test_disk_tier import SMALL_CHUNKS, STEPS, WideRegression, _entry_by_entry
+from tests.distributed.test_disk_tier import (
+    SMALL_CHUNKS,
+    STEPS,
+    WideRegression,
+    _assert_same_run,
+    _entry_by_entry,
+)
 
 # One 64x64 layer and its bias per chunk: WideRegression in 9 chunks, so that the three staging buffers (of the
 # largest record) weigh less than what the masters free.
@@ -108,16 +114,6 @@ def _train_body(
         + report.disk_staging_bytes,
         "warnings": [str(warning.message) for warning in caught if "masters_on_disk" in str(warning.message)],
     }
-
-
-def _assert_same_run(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> None:
-    for one, other in zip(first, second, strict=True):
-        assert one["losses"] == other["losses"]
-        assert len(one["gradients"]) == len(other["gradients"]) == STEPS
-        for step, (mine, theirs) in enumerate(zip(one["gradients"], other["gradients"], strict=True)):
-            assert mine and len(mine) == len(theirs) and all(map(torch.equal, mine, theirs)), step
-        for name, value in other["parameters"].items():
-            assert torch.equal(one["parameters"][name], value), name
 
 
 @pytest.mark.parametrize(
