@@ -240,3 +240,34 @@ def test_whole_tensor_checkpoint_loads_into_masters_on_disk_like_into_memory(ran
     for a, b in zip(into_tier, into_memory, strict=True):
         for name, value in b.items():
             assert torch.equal(a[name], value), name
+
+
+def _meta_built_body(offload_dir: str | None) -> dict[str, Any]:
+    """bf16 training of a model built on the meta device: static placement never allocates the masters it sends to
+    disk, so their first values come straight from the shards the engine materialised."""
+    trainer = quiet_trainer(
+        strategy=_strategy("static", offload_dir, offload_dir is not None),
+        devices=torch.distributed.get_world_size(),
+        max_steps=STEPS,
+        precision="bf16-true",
+    )
+    with trainer.init_module(empty_init=True):
+        module = new_module()
+    assert all(parameter.is_meta for parameter in module.parameters())
+    trainer.fit(module)
+    engine = trainer.strategy.engine
+    return {
+        "losses": module.micro_batch_losses,
+        "parameters": float_state(module),
+        "chunks_with_masters_on_disk": sum(1 for chunk in engine.manager.chunks if chunk.masters_on_disk),
+    }
+
+
+def test_a_meta_built_model_with_masters_on_disk_trains_like_one_with_masters_in_memory(rank_pool_2, tmp_path):
+    on_disk = rank_pool_2.run(_meta_built_body, str(tmp_path / "tier"))
+    in_memory = rank_pool_2.run(_meta_built_body, None)
+    for disk_rank, memory_rank in zip(on_disk, in_memory, strict=True):
+        assert disk_rank["chunks_with_masters_on_disk"] == 2
+        assert disk_rank["losses"] == memory_rank["losses"]
+        for name, value in memory_rank["parameters"].items():
+            assert torch.equal(disk_rank["parameters"][name], value), name
