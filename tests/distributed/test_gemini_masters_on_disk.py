@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_colossal import AutoPlacement, GeminiStrategy, StaticPlacement
 from lightning_colossal.disk.optimizer_state import is_placeholder
@@ -271,3 +271,37 @@ def test_a_meta_built_model_with_masters_on_disk_trains_like_one_with_masters_in
         assert disk_rank["losses"] == memory_rank["losses"]
         for name, value in memory_rank["parameters"].items():
             assert torch.equal(disk_rank["parameters"][name], value), name
+
+
+def _background_save_body(offload_dir: str, checkpoint_dir: str) -> None:
+    """One epoch with half the chunks' masters on disk, checkpointed at its end by a background save (which stages
+    every stand-in, masters included, before training goes on)."""
+    placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=0.5)
+    strategy = GeminiStrategy(
+        placement=placement,
+        chunk_numel=SMALL_CHUNKS,
+        offload_dir=offload_dir,
+        masters_on_disk=True,
+        async_checkpoint=True,
+    )
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=torch.distributed.get_world_size(),
+        max_epochs=1,
+        precision="bf16-true",
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=checkpoint_dir, filename="last", every_n_epochs=1, save_top_k=1)],
+    )
+    trainer.fit(new_module(dropout=0.1, with_scheduler=True))
+    assert not stand_ins._REGISTRY, "stand-ins outlived the background save"
+
+
+@pytest.mark.slow
+def test_background_save_with_masters_on_disk_resumes_exactly(rank_pool_2, tmp_path):
+    tier, checkpoints = str(tmp_path / "tier"), tmp_path / "checkpoints"
+    straight = rank_pool_2.run(_fit_body, tier, 2)
+    rank_pool_2.run(_background_save_body, tier, str(checkpoints))
+    resumed = rank_pool_2.run(_fit_body, tier, 2, str(checkpoints / "last.ckpt"))
+    for rank_result, reference in zip(resumed, straight, strict=True):
+        for name, value in reference.items():
+            assert torch.equal(rank_result[name], value), name
