@@ -216,6 +216,12 @@ class SavedItems:
         """Whether ``setting`` (``lr``, ``initial_lr``, ...) of that param group is saved."""
         return f"{_optimizer_group_prefix(optimizer, group)}{setting}" in self._shapes
 
+    def holds_optimizer_state_of(self, optimizer: int, name: str) -> bool:
+        """Whether any state tensor or value of parameter ``name`` in optimizer ``optimizer`` is saved (an optimizer
+        keeps none for a parameter no gradient has reached yet)."""
+        prefix = f"{optimizer_key(optimizer)}.state.{name}."
+        return any(key.startswith(prefix) for key in self._shapes)
+
     def holds_rng_of(self, rank: int) -> bool:
         """Whether ``rank``'s random state is saved (a save at a smaller world size has none for higher ranks)."""
         prefix = f"{RNG_KEY}.{rng_key(rank)}."

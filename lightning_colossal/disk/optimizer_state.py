@@ -15,6 +15,10 @@ state, so code that only looks at shapes keeps working; nothing may read values 
 values goes through this class (``materialise`` / ``store``: checkpoints). A step of the raw optimizer outside
 ``step`` would update placeholders, so it is refused with an error naming the fix.
 
+A master no gradient has reached yet (an unused layer) gets no state from the optimizer, in memory or here: its record
+marks it ``stateless`` and ``optimizer.state`` holds nothing for it, so its first gradient starts its state fresh,
+and checkpoints neither hold nor demand any for it.
+
 Optimizers that couple parameters (LBFGS: a closure and one global line search) are refused: stepping a subset would
 change what they compute.
 
@@ -81,6 +85,12 @@ class _Record:
     file_offset: int = 0
     written: bool = False  # its state holds values on disk (after the first step, or a load)
     holds_masters: bool = False  # its masters' values are on disk (written at set-up)
+    #: Masters (by id) the optimizer keeps no state for yet: no gradient reached them in any step so far (an unused
+    #: parameter). Their slots in the record hold nothing; ``optimizer.state`` has no entry for them, as in memory.
+    stateless: set[int] = field(default_factory=set)
+
+    def entries_with_state(self) -> list[_Entry]:
+        return [entry for entry in self.entries if id(entry.master) not in self.stateless]
 
     @property
     def holds_values(self) -> bool:
@@ -407,26 +417,39 @@ class DiskOptimizerState:
                 self._streaming = False
 
     def _bind(self, record: _Record, slot: Tensor) -> None:
-        for entry in record.entries:
+        for entry in record.entries_with_state():
             self.optimizer.state[entry.master][entry.key] = _view(slot, entry)
 
     def _copy_in(self, record: _Record, slot: Tensor) -> None:
-        """After a record's step: make sure the slot holds its state (the first step creates fresh tensors)."""
+        """After a record's step: make sure the slot holds its state (the first step creates fresh tensors). A master
+        that had no gradient gets no state from the optimizer, in memory or here: it stays stateless until one does."""
         for entry in record.entries:
-            value = self.optimizer.state[entry.master].get(entry.key)
+            value = self.optimizer.state.get(entry.master, {}).get(entry.key)
+            if value is None and entry.master.grad is None:
+                record.stateless.add(id(entry.master))
+                continue
             if value is None:
                 raise DiskTierError(
                     f"The optimizer ({type(self.optimizer).__name__}) did not create state {entry.key!r} for a"
                     " parameter in its first step, though a trial step on one element did: the disk tier cannot lay"
                     " out its state. Use a per-parameter optimizer (Adam, AdamW, SGD, ...) or drop offload_dir."
                 )
+            record.stateless.discard(id(entry.master))
             target = _view(slot, entry)
             if value.data_ptr() != target.data_ptr():
                 target.copy_(value)
 
     def _unbind(self, record: _Record) -> None:
         for entry in record.entries:
-            self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
+            if id(entry.master) not in record.stateless:
+                self.optimizer.state[entry.master][entry.key] = placeholder(entry.master, entry.dtype)
+                continue
+            # No state yet: nothing in ``optimizer.state``, so its first gradient starts it fresh, as in memory.
+            held = self.optimizer.state.get(entry.master)
+            if held is not None:
+                held.pop(entry.key, None)
+                if not held:
+                    del self.optimizer.state[entry.master]
 
     def _bind_masters(self, record: _Record, slot: Tensor) -> None:
         """The record's masters as views of ``slot``, where their values were read ([Note: masters on disk])."""
@@ -498,7 +521,7 @@ class DiskOptimizerState:
         for record in self.records:
             if not record.written:
                 continue
-            for entry in record.entries:
+            for entry in record.entries_with_state():
                 self.optimizer.state[entry.master][entry.key] = stand_ins.stand_in(
                     entry.master.shape,
                     entry.dtype,
@@ -565,7 +588,7 @@ class DiskOptimizerState:
                 continue
             buffer = aligned_buffer(record.nbytes)
             self.file.read_now(record.file_offset, buffer[: _io_bytes(record)])
-            for entry in record.entries:
+            for entry in record.entries_with_state():
                 self.optimizer.state[entry.master][entry.key] = _view(buffer, entry).clone()
 
     def release(self) -> None:
@@ -580,17 +603,29 @@ class DiskOptimizerState:
         ``optimizer.state`` to their records, and put placeholders back."""
         self._finish_deferred()
         for record in self.records:
-            state_present = all(
-                isinstance(self.optimizer.state.get(entry.master, {}).get(entry.key), Tensor)
-                and not is_placeholder(self.optimizer.state[entry.master][entry.key])
+            # A master the loaded state holds nothing for has no state now (sharded_state.py drops it), whatever the
+            # record held: it stays stateless until a gradient reaches it.
+            record.stateless |= {
+                id(entry.master)
                 for entry in record.entries
-            )
-            if not record.entries or not state_present:
+                if entry.key not in self.optimizer.state.get(entry.master, {})
+            }
+            present = {
+                id(entry.master)
+                for entry in record.entries
+                if isinstance(self.optimizer.state.get(entry.master, {}).get(entry.key), Tensor)
+                and not is_placeholder(self.optimizer.state[entry.master][entry.key])
+            }
+            if not present:
                 continue
             buffer = aligned_buffer(record.nbytes)
             if record.holds_masters:  # the record's masters stay as they are
                 self.file.read_now(record.file_offset, buffer[: _io_bytes(record)])
-            self._copy_in(record, buffer)
+            # The loaded state decides which masters have state (a checkpoint of a run where some never had a
+            # gradient has none for them).
+            record.stateless = {id(entry.master) for entry in record.entries} - present
+            for entry in record.entries_with_state():
+                _view(buffer, entry).copy_(self.optimizer.state[entry.master][entry.key])
             self.file.write_now(record.file_offset, buffer[: _io_bytes(record)])
             record.written = True
             self._unbind(record)

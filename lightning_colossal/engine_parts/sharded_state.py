@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
+from lightning_colossal.engine_parts import stand_ins
 from lightning_colossal.engine_parts.rows import ShardSpec
 
 
@@ -175,6 +176,13 @@ def load_optimizer_state_by_name(
                 current.copy_(value)
             else:
                 live[key] = value
+    for entry in masters:
+        if entry.name not in loaded["state"] and entry.master in optimizer.state:
+            # The checkpoint holds no state for it (no gradient had reached it): none here either, as in the run that
+            # saved it, so a first gradient starts it fresh. A stand-in the disk tier put there goes too.
+            for value in optimizer.state.pop(entry.master).values():
+                if isinstance(value, Tensor) and stand_ins.deferred_of(value) is not None:
+                    stand_ins.withdraw(value)
     for group, saved in zip(optimizer.param_groups, loaded["param_groups"], strict=True):
         group.update({key: value for key, value in saved.items() if key != "params"})
 

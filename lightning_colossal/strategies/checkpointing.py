@@ -33,7 +33,11 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
@@ -94,7 +98,10 @@ class CheckpointingMixin(ProcessGroupMixin):
 
     def _load_optimizer_state(self, optimizer: Optimizer, state: dict[str, Any]) -> None:
         assert self.lightning_module is not None
-        set_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer), state)
+        # strict=False: a parameter no gradient has reached has no state in the checkpoint, as in the optimizer that
+        # saved it; torch's strict check would refuse that (the count of optimizers is checked before this).
+        options = StateDictOptions(strict=False)
+        set_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer), state, options=options)
 
     def full_model_state_dict(self) -> dict[str, Tensor]:
         """The full, unsharded weights as CPU tensors, on every rank (a collective when weights are sharded)."""
@@ -264,6 +271,8 @@ class CheckpointingMixin(ProcessGroupMixin):
             index: _hold_back_unsaved_group_settings(state, index, saved)
             for index, state in enumerate(destinations.optimizers)
         }
+        for index, state in enumerate(destinations.optimizers):
+            _leave_out_unsaved_parameter_state(state, index, saved)
         own_rank = self.global_rank
         restores_rng = saved.holds_rng_of(own_rank)
         if restores_rng:
@@ -355,6 +364,21 @@ def _check_model_shapes(path: Path, model_state: Mapping[str, Any], saved: Saved
             " differ, load the rest with `LightningModule.load_state_dict(..., strict=False)`, and fit without"
             " ckpt_path."
         )
+
+
+def _leave_out_unsaved_parameter_state(
+    optimizer_state: dict[str, Any], optimizer_index: int, saved: SavedItems
+) -> None:
+    """Take out of ``optimizer_state`` the parameters the checkpoint holds no state for.
+
+    An optimizer keeps no state for a parameter no gradient has reached (an unused layer); the destination describes
+    state for every parameter (``initialise_optimizer_state``), so DCP would refuse the load for the missing keys.
+    Those parameters load as having no state, as in the run that saved it (``load_optimizer_state_by_name``).
+    """
+    for name in [
+        name for name in optimizer_state.get("state", {}) if not saved.holds_optimizer_state_of(optimizer_index, name)
+    ]:
+        del optimizer_state["state"][name]
 
 
 def _hold_back_unsaved_group_settings(

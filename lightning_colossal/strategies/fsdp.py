@@ -259,5 +259,6 @@ class ColossalFSDPStrategy(ColossalStrategy):
         tensors = [value for entry in state["state"].values() for value in entry.values() if isinstance(value, Tensor)]
         # A plain (single-file) checkpoint brings full tensors; a sharded one DTensors already loaded in place.
         full = any(not isinstance(value, DTensor) and value.dim() > 0 for value in tensors)
-        options = StateDictOptions(full_state_dict=full)
+        # strict=False: a parameter no gradient has reached has no state in the checkpoint (checkpointing.py).
+        options = StateDictOptions(full_state_dict=full, strict=False)
         set_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer), state, options=options)

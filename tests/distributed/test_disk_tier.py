@@ -45,6 +45,15 @@ def _strategy(kind: str, offload_dir: str | None, **extra: Any) -> Any:
     if kind == "gemini-static":
         placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0 if offload_dir else 0.0)
         return GeminiStrategy(placement=placement, chunk_numel=SMALL_CHUNKS, offload_dir=offload_dir, **extra)
+    if kind == "gemini-static-masters":  # with bf16 weights the masters are separate, and go to disk too
+        placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=1.0 if offload_dir else 0.0)
+        return GeminiStrategy(
+            placement=placement,
+            chunk_numel=SMALL_CHUNKS,
+            offload_dir=offload_dir,
+            masters_on_disk=offload_dir is not None,
+            **extra,
+        )
     if kind == "gemini-half-on-disk":
         # Only the first chunk's state on disk: the second steps in memory in the same optimizer step.
         placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=0.5 if offload_dir else 0.0)
@@ -144,6 +153,67 @@ def test_disk_tier_exact_for_other_precisions_and_optimizers(rank_pool_2, tmp_pa
         assert disk_rank["disk_bytes"] > 0
         for name, value in memory_rank["parameters"].items():
             assert torch.equal(disk_rank["parameters"][name], value), name
+
+
+class WithUnusedLayer(RegressionModule):
+    """RegressionModule with a layer its forward never uses: no gradient ever reaches it (a pooler a fine-tuning head
+    skips, say), so the optimizer never creates state for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)
+
+
+def _unused_layer_body(
+    kind: str, offload_dir: str | None, precision: str, save_to: str | None, resume_from: str | None
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = WithUnusedLayer()
+    trainer = quiet_trainer(
+        strategy=_strategy(kind, offload_dir),
+        devices=torch.distributed.get_world_size(),
+        max_steps=STEPS if resume_from is None else STEPS + 2,
+        precision=precision,
+    )
+    trainer.fit(module, ckpt_path=resume_from)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    disk_state = _disk_state(trainer.strategy.engine)
+    stateless = sum(len(record.stateless) for record in disk_state.records) if disk_state is not None else 0
+    return {"losses": module.micro_batch_losses, "parameters": float_state(module), "stateless": stateless}
+
+
+@pytest.mark.parametrize(
+    ("kind", "precision"),
+    [
+        ("gemini-static", "32-true"),
+        ("gemini-static-masters", "bf16-true"),
+        ("zero2-offload", "32-true"),
+        ("zero2-offload-masters", "bf16-true"),
+        ("hybrid-zero1-offload", "32-true"),
+    ],
+)
+def test_a_parameter_without_gradients_trains_and_resumes_like_in_memory(rank_pool_2, tmp_path, kind, precision):
+    # The optimizer keeps no state for it: the tier must not demand any (it refused the first step), nor invent any
+    # (in a checkpoint, or after a resume).
+    tier = str(tmp_path / "tier")
+    with_tier, without = str(tmp_path / "tier.ckpt"), str(tmp_path / "memory.ckpt")
+    runs = {
+        "trained": (
+            rank_pool_2.run(_unused_layer_body, kind, tier, precision, with_tier, None),
+            rank_pool_2.run(_unused_layer_body, kind, None, precision, without, None),
+        ),
+        "resumed": (
+            rank_pool_2.run(_unused_layer_body, kind, tier, precision, None, with_tier),
+            rank_pool_2.run(_unused_layer_body, kind, None, precision, None, without),
+        ),
+    }
+    for stage, (on_disk, in_memory) in runs.items():
+        assert all(rank["stateless"] > 0 for rank in on_disk), (stage, on_disk)
+        for disk_rank, memory_rank in zip(on_disk, in_memory, strict=True):
+            assert disk_rank["losses"] == memory_rank["losses"], stage
+            for name, value in memory_rank["parameters"].items():
+                assert torch.equal(disk_rank["parameters"][name], value), (stage, name)
 
 
 WIDE_CHUNKS = 8192  # elements per chunk of WideRegression: 9 chunks, 4,096 elements of each per rank
