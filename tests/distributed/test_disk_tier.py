@@ -91,13 +91,7 @@ def _disk_state(engine: Any) -> Any:
 def _train_body(
     kind: str, offload_dir: str | None, precision: str, optimizer: str, steps: int = STEPS
 ) -> dict[str, Any]:
-    module = new_module()
-    if optimizer == "sgd":
-
-        def configure_optimizers() -> Any:
-            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-
-        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    module = training_module(wide=False, optimizer=optimizer)
     trainer = quiet_trainer(
         strategy=_strategy(kind, offload_dir),
         devices=torch.distributed.get_world_size(),
@@ -230,6 +224,22 @@ class WideRegression(RegressionModule):
         for _ in range(8):
             layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
         self.model = torch.nn.Sequential(*layers, torch.nn.Linear(64, 1))
+
+
+def training_module(wide: bool, optimizer: str) -> RegressionModule:
+    """RegressionModule (``WideRegression`` when ``wide``) stepped by AdamW, or by SGD with momentum (``"sgd"``)."""
+    if wide:
+        torch.manual_seed(0)
+        module: RegressionModule = WideRegression()
+    else:
+        module = new_module()
+    if optimizer == "sgd":
+
+        def configure_optimizers() -> Any:
+            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    return module
 
 
 def _host_budget_body(offload_dir: str | None, budget: int) -> dict[str, Any]:
@@ -630,6 +640,13 @@ class _GradientRecorder(Callback):
         self.steps.append([entry.gradient.clone() for entry in trainer.strategy.engine.reduced_gradients()])
 
 
+def master_entries_between_steps(disk_state: DiskOptimizerState | None) -> list[Any]:
+    """The tier's entries of masters on disk, checked to hold no values in host memory (between steps)."""
+    on_disk = [entry for record in disk_state.records for entry in record.master_entries] if disk_state else []
+    assert all(is_placeholder(entry.master) for entry in on_disk)
+    return on_disk
+
+
 def _masters_body(
     offload_dir: str | None,
     disk_fraction: float,
@@ -638,17 +655,8 @@ def _masters_body(
     optimizer: str,
     wide: bool = False,
 ) -> dict[str, Any]:
-    if wide:  # records larger than the tier's 4 KiB alignment, so the masters visibly grow the file
-        torch.manual_seed(0)
-        module: RegressionModule = WideRegression()
-    else:
-        module = new_module()
-    if optimizer == "sgd":
-
-        def configure_optimizers() -> Any:
-            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-
-        module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
+    # wide: records larger than the tier's 4 KiB alignment, so the masters visibly grow the file.
+    module = training_module(wide, optimizer)
     recorder = _GradientRecorder()
     trainer = quiet_trainer(
         strategy=_zero_masters(offload_dir, disk_fraction, masters_on_disk, 0.01 if wide else 0.001),
@@ -661,9 +669,7 @@ def _masters_body(
     engine = trainer.strategy.engine
     disk_state = engine.disk_state
     report = engine.memory_report()
-    on_disk = [entry for record in disk_state.records for entry in record.master_entries] if disk_state else []
-    # Between steps the masters on disk hold no values in host memory.
-    assert all(is_placeholder(entry.master) for entry in on_disk)
+    on_disk = master_entries_between_steps(disk_state)
     return {
         "losses": module.micro_batch_losses,
         "gradients": recorder.steps,

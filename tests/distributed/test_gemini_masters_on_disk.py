@@ -28,9 +28,10 @@ from tests.distributed.oracle import float_state, new_module, quiet_trainer
 from tests.distributed.test_disk_tier import (
     SMALL_CHUNKS,
     STEPS,
-    WideRegression,
     _assert_same_run,
     _entry_by_entry,
+    master_entries_between_steps,
+    training_module,
 )
 
 # One 64x64 layer and its bias per chunk: WideRegression in 9 chunks, so that the three staging buffers (of the
@@ -70,17 +71,7 @@ class _GradientRecorder(Callback):
 def _train_body(
     placement: str, offload_dir: str | None, masters_on_disk: bool, precision: str, optimizer: str, budget: int = 0
 ) -> dict[str, Any]:
-    if placement == "auto":
-        torch.manual_seed(0)
-        module: Any = WideRegression()
-    else:
-        module = new_module()
-    if optimizer == "sgd":
-
-        def configure_optimizers() -> Any:
-            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
-
-        module.configure_optimizers = configure_optimizers
+    module = training_module(wide=placement == "auto", optimizer=optimizer)
     recorder = _GradientRecorder()
     trainer = quiet_trainer(
         strategy=_strategy(placement, offload_dir, masters_on_disk, budget),
@@ -95,9 +86,8 @@ def _train_body(
     engine = trainer.strategy.engine
     disk_state = engine.disk_state
     report = engine.memory_report()
-    on_disk = [entry for record in disk_state.records for entry in record.master_entries] if disk_state else []
-    # Between steps the masters on disk hold no values in host memory, and their chunks no master storage.
-    assert all(is_placeholder(entry.master) for entry in on_disk)
+    on_disk = master_entries_between_steps(disk_state)
+    # Their chunks hold no master storage either.
     assert all(is_placeholder(chunk.master) for chunk in engine.manager.chunks if chunk.masters_on_disk)
     return {
         "losses": module.micro_batch_losses,
