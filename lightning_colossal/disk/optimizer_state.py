@@ -184,6 +184,9 @@ def open_disk_state(
     With ``initial_masters`` the masters' values live in the tier too ([Note: masters on disk]), those of every group
     or, with ``masters_of_groups``, of the groups flagged there: ``initial_masters(master, target)`` fills each
     master's first values, one record at a time; ``after_record`` is ``DiskOptimizerState``'s."""
+    masters_on_disk: bool | Sequence[bool] = False
+    if initial_masters is not None:
+        masters_on_disk = masters_of_groups if masters_of_groups is not None else True
     directory = TierDirectory(offload_dir, rank)
     try:
         state = DiskOptimizerState(
@@ -191,9 +194,7 @@ def open_disk_state(
             groups,
             TierFile(directory, "optimizer_state.bin"),
             beside,
-            masters_on_disk=(masters_of_groups if masters_of_groups is not None else True)
-            if initial_masters is not None
-            else False,
+            masters_on_disk=masters_on_disk,
             after_record=after_record,
         )
         directory.check_room(state.planned_bytes, what)

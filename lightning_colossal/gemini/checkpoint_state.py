@@ -14,7 +14,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_colossal.engine_parts import sharded_state
-from lightning_colossal.gemini.layout import ChunkMember
 from lightning_colossal.gemini.manager import ChunkManager
 from lightning_colossal.gemini.masters_on_disk import DiskMasters
 
@@ -40,35 +39,23 @@ def load_full_weights(
     manager: ChunkManager, names_of: Mapping[int, list[str]], weights: Mapping[str, Tensor], disk_masters: DiskMasters
 ) -> list[str]:
     """Take this rank's rows of every chunked parameter from whole tensors by name (any of its names) into the
-    masters (those on disk through ``disk_masters``, a record at a time), then refresh the working shards; returns the
-    chunked names ``weights`` lacks."""
+    masters (those on disk through ``disk_masters``, a record at a time); returns the chunked names ``weights`` lacks.
+    The working shards are the caller's to refresh (``GeminiEngine.masters_loaded``)."""
     manager.release_all()
     missing = []
-    parameter_of: dict[str, nn.Parameter] = {}
-
-    def source_of(parameter: nn.Parameter) -> Tensor | None:
-        return next((weights[name] for name in names_of[id(parameter)] if name in weights), None)
-
+    rows_on_disk: dict[str, Tensor] = {}  # views of ``weights``, by member name
     with torch.no_grad():
         for chunk in manager.chunks:
             for member, parameter, view in zip(chunk.spec.members, chunk.parameters, chunk.master_views, strict=True):
-                source = source_of(parameter)
+                source = next((weights[name] for name in names_of[id(parameter)] if name in weights), None)
                 if source is None:
                     missing.append(member.name)
                 elif disk_masters.holds(view):
-                    parameter_of[member.name] = parameter
+                    rows_on_disk[member.name] = sharded_state.owned_rows_of(source, member.spec)
                 else:
                     view.copy_(sharded_state.owned_rows_of(source, member.spec))
-        if parameter_of:
-
-            def rows_of(member: ChunkMember) -> Tensor | None:
-                source = source_of(parameter_of[member.name]) if member.name in parameter_of else None
-                return None if source is None else sharded_state.owned_rows_of(source, member.spec)
-
-            disk_masters.load_rows(rows_of)
-    manager.masters_to_shards()
-    if disk_masters.disk_state is not None:
-        disk_masters.into_shards()
+        if rows_on_disk:
+            disk_masters.load_rows(lambda member: rows_on_disk.get(member.name))
     return missing
 
 

@@ -143,10 +143,10 @@ class GeminiEngine(EngineDiskTier):
                 if not chunk.frozen
             }
             optimizer_takeover.swap_parameters(optimizer, masters)
-        #: The masters the disk tier holds ([Note: Gemini's masters on disk]); none without ``masters_on_disk``.
+        #: The masters the disk tier holds ([Note: Gemini's masters on disk]; none without ``masters_on_disk``) and the
+        #: tier itself (``disk_state``).
         self.disk_masters = DiskMasters([])
-        #: The optimizer state of some chunks on disk between steps (``lightning_colossal/disk``), or ``None``.
-        self.disk_state: DiskOptimizerState | None = None if optimizer is None else self._open_disk_tier(optimizer)
+        self.disk_state = None if optimizer is None else self._open_disk_tier(optimizer)
         self.tracer = MemoryTracer(compute_device, self._model_bytes_on_device)
         self.hooks = self._install_hooks()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
@@ -238,7 +238,7 @@ class GeminiEngine(EngineDiskTier):
         what = f"the optimizer state of {len(chosen)} of {len(trainable)} chunks"
         if any(with_masters):
             what += f" and {sum(with_masters)} chunks' fp32 masters"
-        self.disk_masters.disk_state = open_disk_state(
+        return open_disk_state(
             optimizer,
             [chunk.master_views for chunk in chosen],
             self.config.offload_dir,
@@ -249,7 +249,16 @@ class GeminiEngine(EngineDiskTier):
             after_record=self.disk_masters.after_record if any(with_masters) else None,
             masters_of_groups=with_masters,
         )
+
+    @property
+    def disk_state(self) -> DiskOptimizerState | None:  # type: ignore[override]
+        """The optimizer state of some chunks on disk between steps (``lightning_colossal/disk``), or ``None``: kept
+        by ``disk_masters``, so closing the tier (``close_disk_tier``) leaves no stale reference there."""
         return self.disk_masters.disk_state
+
+    @disk_state.setter
+    def disk_state(self, value: DiskOptimizerState | None) -> None:
+        self.disk_masters.disk_state = value
 
     def _agree_on_the_host_budget(self, refusal: HostBudgetTooSmall | None) -> None:
         """Every rank raises when one rank's share does not fit ``host_memory_budget`` (the ranks' shares differ by a
@@ -446,12 +455,14 @@ class GeminiEngine(EngineDiskTier):
         """After masters were filled in place (a sharded checkpoint): refresh the working shards."""
         self.release_all()
         self.manager.masters_to_shards()
-        if self.disk_masters.disk_state is not None:
+        if self.disk_state is not None:
             self.disk_masters.into_shards()
 
     def load_full_weights(self, weights: Mapping[str, Tensor]) -> list[str]:
         """Take this rank's rows from whole tensors by name; returns the chunked names ``weights`` lacks."""
-        return checkpoint_state.load_full_weights(self.manager, self.names_of, weights, self.disk_masters)
+        missing = checkpoint_state.load_full_weights(self.manager, self.names_of, weights, self.disk_masters)
+        self.masters_loaded()
+        return missing
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Whole weights on every rank (CPU), gathered one chunk at a time; buffers and frozen parameters too."""
