@@ -307,6 +307,7 @@ def reduce_own_slot_async(
     scatter: bool,
     output: torch.Tensor | None = None,
     reports_completion: bool = False,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[RecordedWork | None, torch.Tensor]:
     """Start summing the rank-major flat ``slots`` (one equal slot per rank of ``group``) over the ranks; returns the
     handle to ``wait()`` on (``None`` when nothing was sent) and the tensor that then holds this rank's slot of the sum.
@@ -315,12 +316,19 @@ def reduce_own_slot_async(
     ``slots`` is all-reduced in place and the result is a view of this rank's slot in it ([Note: exchanges per
     backend]). ``reports_completion``: the handle's ``is_completed()`` turns true without a ``wait()`` on every
     backend (``direct_exchange.py`` [Note: a thread that watches exchanges]).
+
+    ``scratch`` ((world size − 1) slots, ``output`` ``None``): on gloo's point-to-point route the other ranks'
+    contributions arrive in it and the sum is left in it or in ``slots`` (the result is a view of one of them), so a
+    caller that pools both allocates nothing per reduction; other routes ignore it.
     """
     slot_numel = slots.numel() // world_size(group)
     if scatter:
-        if output is None:
+        direct = is_initialized() and world_size(group) > 1 and sends_directly(group)
+        if output is None and scratch is not None and direct:
+            output = direct_exchange.sum_in_place(slots, scratch, group)
+        elif output is None:
             output = torch.empty(slot_numel, dtype=slots.dtype, device=slots.device)
-        return reduce_scatter_async(output, slots, group, reports_completion), output
+        return reduce_scatter_async(output, slots, group, reports_completion, scratch if direct else None), output
     own = slots.view(world_size(group), slot_numel)[rank(group)]
     return all_reduce_async(slots, group), own
 
@@ -342,17 +350,21 @@ def all_reduce_async(
 
 
 def reduce_scatter_async(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None, reports_completion: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None = None,
+    reports_completion: bool = False,
+    scratch: torch.Tensor | None = None,
 ) -> RecordedWork | None:
     """Start a SUM reduce-scatter: rank r receives the sum of every rank's r-th equal slice of ``input``
-    (``reports_completion``: see ``reduce_own_slot_async``)."""
+    (``reports_completion``, ``scratch``: see ``reduce_own_slot_async``)."""
     if not is_initialized() or world_size(group) == 1:
         output.copy_(input)
         return None
     require_group_device(input, group, "a reduce-scatter")
     with Collective("reduce_scatter", group, input):
         if sends_directly(group):
-            work = direct_exchange.reduce_scatter(output, input, group, watched=reports_completion)
+            work = direct_exchange.reduce_scatter(output, input, group, watched=reports_completion, received=scratch)
         else:
             work = _newest(_REDUCE_SCATTER_NAMES)(output, input, op=ReduceOp.SUM, group=group, async_op=True)
     return RecordedWork(work, "reduce_scatter", group, input)

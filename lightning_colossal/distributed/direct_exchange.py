@@ -17,7 +17,10 @@ gloo both exchanges are done here, directly:
   in full (a replicated parameter in ZeRO's layout) gets the same bits on every rank.
 
 Each rank sends (n−1)/n of the payload, the ring algorithms' figure; the scratch buffer of a reduce-scatter holds
-(n−1) slots, which is the n ≤ 8 CPU case this is for (NCCL keeps its own collectives). Every pair of ranks exchanges
+(n−1) slots, which is the n ≤ 8 CPU case this is for (NCCL keeps its own collectives). A caller that reduces many
+times (Gemini, once per chunk and step) passes its own pooled scratch and takes the sum where it starts, in the
+first contribution (``sum_in_place``), so no reduction allocates: fresh receive and output buffers per chunk cost
+Gemini's CPU ranks tens of MiB of peak memory (benchmarks/RESULTS.md). Every pair of ranks exchanges
 exactly one message per direction per call, and every rank issues its calls on a group in the same order, so
 messages match by order without tags. Sends and receives are posted at once and progress in gloo's transport while
 the caller computes; ``is_completed()`` turns true only once ``wait()`` ran, because gloo marks point-to-point work
@@ -163,24 +166,46 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
     return DirectExchange(works, group_timeout(group))
 
 
+def _contributions(input: torch.Tensor, received: torch.Tensor, rank: int, size: int) -> list[torch.Tensor]:
+    """Every rank's contribution to this rank's slot, in rank order: this rank's own slot of ``input``, the others'
+    in ``received`` (one slot per other rank, in rank order with this rank's left out)."""
+    slots = input.view(size, -1)
+    others = received.view(size - 1, slots.shape[1])
+    return [slots[rank] if source == rank else others[source - (source > rank)] for source in range(size)]
+
+
+def sum_in_place(input: torch.Tensor, received: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Where a ``reduce_scatter`` given this ``input`` and ``received`` can leave its sum without an output buffer
+    of its own: in the first contribution (rank 0's), which the sum starts from ([Note: direct exchanges on
+    gloo]). Pass it as ``output``; the sum then overwrites that slot of ``input`` or ``received``."""
+    return _contributions(input, received, dist.get_rank(group), dist.get_world_size(group))[0]
+
+
 def reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, watched: bool = False
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    watched: bool = False,
+    received: torch.Tensor | None = None,
 ) -> DirectExchange:
     """Start summing slot ``rank`` of the rank-major flat ``input`` over every rank into ``output`` (``watched``:
-    [Note: a thread that watches exchanges])."""
+    [Note: a thread that watches exchanges]). ``received`` is the scratch for the other ranks' contributions
+    ((world size − 1) slots; a fresh buffer when ``None``), and ``output`` may be ``sum_in_place``'s slot."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     slots = input.view(size, -1)
-    # One scratch slot per other rank, in rank order with this rank's left out.
-    received = torch.empty((size - 1, slots.shape[1]), dtype=input.dtype, device=input.device)
-    contributions = [slots[rank] if source == rank else received[source - (source > rank)] for source in range(size)]
+    if received is None:
+        received = torch.empty((size - 1) * slots.shape[1], dtype=input.dtype, device=input.device)
+    contributions = _contributions(input, received, rank, size)
     works = []
     for send_to, receive_from in _peers(rank, size):
         works.append(dist.isend(slots[send_to], group_dst=send_to, group=group))
         works.append(dist.irecv(contributions[receive_from], group_src=receive_from, group=group))
 
     def finish() -> None:
-        # Summed in rank order on every rank (see the Note).
-        output.copy_(contributions[0])
+        # Summed in rank order on every rank (see the Note), starting from the first contribution where it lies when
+        # the caller asked for the sum there.
+        if output.data_ptr() != contributions[0].data_ptr():
+            output.copy_(contributions[0])
         for contribution in contributions[1:]:
             output.add_(contribution)
 

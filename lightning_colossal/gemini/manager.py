@@ -383,13 +383,23 @@ class ChunkManager:
             for member in chunk.spec.members:
                 rows_into_slots(_flat_member(full, member), member.spec, staging, member.slot_offset)
             self.buffers.give_back(full)
-            work, received = collectives.reduce_own_slot_async(
-                staging.view(-1), self.reduce_group, scatter=True, reports_completion=True
+            # The other ranks' rows arrive in a pooled scratch and the sum stays in it or in the staging, so a
+            # reduction allocates nothing (gloo's point-to-point route; benchmarks/RESULTS.md, Gemini's peak memory).
+            scratch = (
+                self.buffers.take(
+                    (self.world_size - 1) * chunk.spec.slot_numel, torch.float32, self.compute_device, zeroed=False
+                )
+                if collectives.sends_directly(self.reduce_group)
+                else None
             )
-            self._pending.append(_PendingReduction(chunk, work, received, staging, rank_major=True))
+            work, received = collectives.reduce_own_slot_async(
+                staging.view(-1), self.reduce_group, scatter=True, reports_completion=True, scratch=scratch
+            )
+            buffers = (staging,) if scratch is None else (staging, scratch)
+            self._pending.append(_PendingReduction(chunk, work, received, buffers, rank_major=True))
         else:
             work = collectives.all_reduce_async(full, group=self.reduce_group)
-            self._pending.append(_PendingReduction(chunk, work, full, None, rank_major=False))
+            self._pending.append(_PendingReduction(chunk, work, full, (), rank_major=False))
 
     def complete_reductions(self, block: bool, keep_at_most: int | None = None) -> None:
         """Fold finished reductions into the shard gradients, in launch order: all of them with ``block``, else
@@ -421,7 +431,8 @@ class ChunkManager:
                     own = chunk.member_owned_in_full(result, member)
                 target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
                 target.add_(own, alpha=1.0 / self.world_size)
-            self.buffers.give_back(pending.staging)
+            for buffer in pending.buffers:
+                self.buffers.give_back(buffer)
             if not pending.rank_major:
                 self.buffers.give_back(pending.result)  # the chunk's full gradient, summed in place
 
@@ -509,7 +520,7 @@ class _PendingReduction(NamedTuple):
     chunk: Chunk
     work: Any
     result: Tensor  # the all-reduced full gradient, or this rank's reduce-scattered slot
-    staging: Tensor | None  # kept alive until the collective is done
+    buffers: tuple[Tensor, ...]  # the staging and scratch, kept alive until the collective is done, then pooled
     rank_major: bool
 
 

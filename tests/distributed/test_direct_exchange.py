@@ -123,3 +123,37 @@ def test_watched_exchanges_complete_by_themselves_and_sum_in_rank_order(request,
         assert result["completed_without_wait"], f"rank {rank}: a watched exchange never reported completion"
         assert all(result["exact"]), f"rank {rank}: a watched reduce-scatter is not the rank-order sum"
         assert result["gather_exact"]
+
+
+def in_place_body() -> dict[str, Any]:
+    """A reduce-scatter given a scratch and no output ([Note: direct exchanges on gloo]): the sum lands in the scratch
+    or the input, still the rank-order sum, and for a replicated slot the same bits on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    inputs = [_contribution(source, world_size, torch.float32) for source in range(world_size)]
+    own = inputs[rank].clone()
+    scratch = torch.full(((world_size - 1) * SLOT,), float("nan"))
+    work, result = collectives.reduce_own_slot_async(own, None, scatter=True, reports_completion=True, scratch=scratch)
+    work.wait()
+    expected = inputs[0].view(world_size, SLOT)[rank].clone()
+    for source in range(1, world_size):
+        expected += inputs[source].view(world_size, SLOT)[rank]
+    home = own if rank == 0 else scratch
+    replicated_input = torch.cat([inputs[rank][:SLOT]] * world_size)
+    replicated_scratch = torch.empty((world_size - 1) * SLOT)
+    replicated_work, replicated = collectives.reduce_own_slot_async(
+        replicated_input, None, scatter=True, scratch=replicated_scratch
+    )
+    replicated_work.wait()
+    return {
+        "exact": torch.equal(result, expected),
+        "in_own_buffers": result.untyped_storage().data_ptr() == home.untyped_storage().data_ptr(),
+        "replicated": replicated.clone(),
+    }
+
+
+def test_a_reduce_scatter_with_scratch_sums_in_place_in_rank_order(rank_pool_4):
+    results = rank_pool_4.run(in_place_body)
+    for rank, result in enumerate(results):
+        assert result["exact"], f"rank {rank}: the in-place reduce-scatter is not the rank-order sum"
+        assert result["in_own_buffers"], f"rank {rank}: the sum went to a fresh buffer instead of the scratch/input"
+        assert torch.equal(result["replicated"], results[0]["replicated"]), f"rank {rank} summed in another order"
