@@ -10,7 +10,9 @@ Destroying them at teardown is not an option: a module may keep DTensors over th
 process, keyed by what defines it (ranks and backend, or the mesh's device type, shape and axis names, plus a
 purpose tag where a second group over the same ranks is wanted), and every later run reuses it. The cache belongs
 to one default process group: when that is destroyed and a new one initialised, the cache starts empty; a cached
-group someone destroyed is made again.
+group someone destroyed is dropped at the next look-up (or at once by ``forget_destroyed``) and made again when
+asked for. Dropping matters: a destroyed gloo group keeps its transport thread, which wakes every 10 ms, until
+nothing refers to it (the test suite's rank pools idled at half a core per rank with 81 such threads each).
 
 [Note: let gloo's workers finish before the interpreter exits]
 A process can abort after a run that succeeded: "terminate called without an active exception", exit code 134
@@ -59,9 +61,21 @@ def reuse_or_create(key: Hashable, create: Callable[[], T]) -> T:
     if world is not _cached_for_world:
         _cached.clear()
         _cached_for_world = world
-    if key not in _cached or not _all_alive(_cached[key]):
+    forget_destroyed()
+    if key not in _cached:
         _cached[key] = create()
     return _cached[key]
+
+
+def forget_destroyed() -> None:
+    """Drop every cached group and mesh someone destroyed (they would be made again on their next use anyway).
+
+    A destroyed gloo group still runs its transport thread, which wakes every 10 ms, for as long as anything refers
+    to it; the cache should not be what keeps it. ``reuse_or_create`` calls this before each look-up; a caller that
+    destroys groups between runs (the test suite's rank pool) may call it at once.
+    """
+    for key in [key for key, cached in _cached.items() if not _all_alive(cached)]:
+        del _cached[key]
 
 
 def _all_alive(cached: Any) -> bool:
