@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - torch < 2.8
     AllGather = ReduceScatter = None  # type: ignore[assignment,misc]
 
 
-#: The exchanges' buffers (gathered units, reduce-scatter inputs and their receive scratch), kept for reuse once FSDP2 lets go of them
+#: The exchanges' buffers (gathered units, reduce-scatter inputs), kept for reuse once FSDP2 lets go of them
 #: ([Note: reusing large host buffers] in ``engine_parts/buffer_pool.py``): a unit above glibc's mmap threshold (the
 #: root holding a large embedding and head) was page-faulted in at every gather. ``drop_kept_buffers`` at teardown.
 _BUFFERS = BufferPool()
@@ -83,14 +83,9 @@ if AllGather is not None:
                     " on every shard unit. This is a bug in lightning_colossal; please report it with your torch"
                     " version."
                 )
-            # The other ranks' contributions arrive in a pooled scratch, not a fresh buffer per unit and step.
-            scratch = _BUFFERS.take(
-                input_tensor.numel() - output_tensor.numel(), input_tensor.dtype, input_tensor.device, zeroed=False
-            )
-            work = collectives.reduce_scatter_async(output_tensor, input_tensor, group, scratch=scratch)
+            work = collectives.reduce_scatter_async(output_tensor, input_tensor, group)
             if work is not None:
                 work.wait()
-            _BUFFERS.give_back(scratch)
 
 
 def use_direct_exchange(unit: FSDPModule, mesh: DeviceMesh) -> bool:
