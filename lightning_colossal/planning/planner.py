@@ -349,11 +349,14 @@ def _moves_masters(evaluation: Evaluation) -> bool:
     return evaluation.model_state.parameters.disk > 0
 
 
-def _least_disk(base: str, model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> Evaluation:
+def _least_disk(
+    base: str, model: ModelShape, hardware: Hardware, training: Training, workload: Workload
+) -> Evaluation | None:
     """``base``'s disk row: the least share of its optimizer state on disk that fits (``_first_fitting``); when the
     host is all that no share fits, the least share with the masters on disk too (more I/O per step for the same
     share, so only as a further step); when nothing fits, the largest share of whichever was tried last, shown as not
-    fitting."""
+    fitting. An optimizer without state shaped like the parameters (plain SGD) has only the masters to move: its row
+    is the least share with the masters on disk, or none where no master is separate from the working weights."""
     assert hardware.disk is not None
     offload_dir = hardware.disk.path
 
@@ -363,28 +366,32 @@ def _least_disk(base: str, model: ModelShape, hardware: Hardware, training: Trai
             for fraction in DISK_FRACTIONS
         ]
 
-    state_only = shares(masters_on_disk=False)
-    chosen = _first_fitting(state_only, hardware)
-    if chosen is not None:
-        return chosen
-    # The masters only help where host memory is all that is short: they add to the disk and leave the device alone.
-    if not any(evaluation.fits_device and evaluation.fits_disk for evaluation in state_only):
-        return state_only[-1]
+    stateless = training.optimizer.moments == 0
+    state_only: list[Evaluation] = []
+    if not stateless:
+        state_only = shares(masters_on_disk=False)
+        chosen = _first_fitting(state_only, hardware)
+        if chosen is not None:
+            return chosen
+        # The masters only help where host memory is all that is short: they add to the disk, leave the device alone.
+        if not any(evaluation.fits_device and evaluation.fits_disk for evaluation in state_only):
+            return state_only[-1]
     with_masters = [evaluation for evaluation in shares(masters_on_disk=True) if _moves_masters(evaluation)]
     if not with_masters:
-        return state_only[-1]
+        return state_only[-1] if state_only else None
     return _first_fitting(with_masters, hardware) or with_masters[-1]
 
 
 def disk_evaluations(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> list[Evaluation]:
     """Each offload setting with a disk tier (``DISK_BASES``) at the least disk share of ``DISK_FRACTIONS`` that fits
     the host (less on disk is less I/O per step), with the masters of that share on disk too only where no share of
-    the optimizer state alone fits the host (``_least_disk``); none when the hardware has no disk or the optimizer
-    keeps no state shaped like the parameters (plain SGD: nothing to put on disk). Also on CPU ranks, where the disk
-    saves RAM."""
-    if hardware.disk is None or training.optimizer.moments == 0:
+    the optimizer state alone fits the host (``_least_disk``); none when the hardware has no disk. An optimizer
+    without state shaped like the parameters (plain SGD) gets only rows that move masters. Also on CPU ranks, where
+    the disk saves RAM."""
+    if hardware.disk is None:
         return []
-    return [_least_disk(base, model, hardware, training, workload) for base in DISK_BASES]
+    rows = (_least_disk(base, model, hardware, training, workload) for base in DISK_BASES)
+    return [row for row in rows if row is not None]
 
 
 def _plan_notes(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> tuple[str, ...]:
@@ -409,20 +416,26 @@ def _disk_notes(hardware: Hardware, training: Training) -> list[str]:
     disk = hardware.disk
     if disk is None:
         return []
-    if training.optimizer.moments == 0:
-        return [f"no disk settings: {training.optimizer.name} keeps no state shaped like the parameters to put on disk"]
     shares = "/".join(f"{fraction:.0%}" for fraction in DISK_FRACTIONS)
-    notes = [
-        f"disk settings keep that share of the optimizer state ({training.optimizer.name}'s moments) on each node's"
-        f" disk; fp32 masters (unless marked '+ masters') and gradient shards stay in host memory. Each is shown at"
-        f" the least share of {shares} that fits the host, and recommended only when nothing without disk fits: every"
-        " optimizer step reads the state from disk and writes it back (the min disk I/O column: a lower bound of that"
-        " step's I/O)",
-        "a disk setting marked '+ masters' (masters_on_disk=True) also keeps the fp32 masters of that share on disk,"
-        " in the same records: shown only when no share of the optimizer state alone fits the host, as it adds 4"
-        " bytes an element to every step's reads and writes; a Gemini chunk whose fp32 shard is its own master has no"
-        " separate master to move",
-    ]
+    if training.optimizer.moments == 0:
+        notes = [
+            f"{training.optimizer.name} keeps no optimizer state shaped like the parameters: its only disk settings"
+            " are '+ masters' rows (masters_on_disk=True), which keep the fp32 masters of the least share of"
+            f" {shares} that fits the host on disk, offered where the masters are separate from the working weights"
+            " (bf16-true parameters, or shards on a GPU): every optimizer step reads them and writes them back"
+        ]
+    else:
+        notes = [
+            f"disk settings keep that share of the optimizer state ({training.optimizer.name}'s moments) on each node's"
+            f" disk; fp32 masters (unless marked '+ masters') and gradient shards stay in host memory. Each is shown at"
+            f" the least share of {shares} that fits the host, and recommended only when nothing without disk fits: every"
+            " optimizer step reads the state from disk and writes it back (the min disk I/O column: a lower bound of that"
+            " step's I/O)",
+            "a disk setting marked '+ masters' (masters_on_disk=True) also keeps the fp32 masters of that share on disk,"
+            " in the same records: shown only when no share of the optimizer state alone fits the host, as it adds 4"
+            " bytes an element to every step's reads and writes; a Gemini chunk whose fp32 shard is its own master has no"
+            " separate master to move",
+        ]
     if disk.offload_dir is None:
         notes.append(
             f"disk described by its bandwidths only: replace {disk.path!r} in `use:` by a local disk's directory"

@@ -227,16 +227,18 @@ class WideRegression(RegressionModule):
 
 
 def training_module(wide: bool, optimizer: str) -> RegressionModule:
-    """RegressionModule (``WideRegression`` when ``wide``) stepped by AdamW, or by SGD with momentum (``"sgd"``)."""
+    """RegressionModule (``WideRegression`` when ``wide``) stepped by AdamW, by SGD with momentum (``"sgd"``), or by
+    plain SGD, which keeps no state: only the masters can go to disk (``"plain-sgd"``)."""
     if wide:
         torch.manual_seed(0)
         module: RegressionModule = WideRegression()
     else:
         module = new_module()
-    if optimizer == "sgd":
+    if optimizer in ("sgd", "plain-sgd"):
+        momentum = 0.9 if optimizer == "sgd" else 0.0
 
         def configure_optimizers() -> Any:
-            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+            return torch.optim.SGD(module.parameters(), lr=0.05, momentum=momentum, weight_decay=0.01)
 
         module.configure_optimizers = configure_optimizers  # type: ignore[method-assign]
     return module
@@ -702,6 +704,7 @@ def _assert_same_run(first: list[dict[str, Any]], second: list[dict[str, Any]]) 
         ("32-true", "adamw", 0.5),
         ("bf16-true", "adamw", 1.0),
         ("bf16-true", "sgd", 0.5),
+        ("bf16-true", "plain-sgd", 1.0),  # no optimizer state: the records hold the masters alone
     ],
 )
 def test_masters_on_disk_equal_masters_in_memory_bit_for_bit(

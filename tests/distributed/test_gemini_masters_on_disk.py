@@ -108,7 +108,7 @@ def _train_body(
 
 @pytest.mark.parametrize(
     ("placement", "precision", "optimizer"),
-    [("static", "bf16-true", "adamw"), ("static-half", "bf16-true", "sgd")],
+    [("static", "bf16-true", "adamw"), ("static-half", "bf16-true", "sgd"), ("static", "bf16-true", "plain-sgd")],
 )
 def test_masters_on_disk_equal_masters_in_memory_bit_for_bit(rank_pool_2, tmp_path, placement, precision, optimizer):
     on_disk = rank_pool_2.run(_train_body, placement, str(tmp_path / "tier"), True, precision, optimizer)

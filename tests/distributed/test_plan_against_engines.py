@@ -164,16 +164,23 @@ def test_activation_estimate_matches_saved_tensors_of_a_training_step(rank_pool_
 
 
 def disk_body(
-    base: str, fraction: float, precision: str, offload_dir: str, masters_on_disk: bool = False
+    base: str,
+    fraction: float,
+    precision: str,
+    offload_dir: str,
+    masters_on_disk: bool = False,
+    optimizer: str = "adamw",
 ) -> list[dict[str, int]]:
     """Train the test GPT with ``fraction`` of ``base``'s offloaded optimizer state (and with ``masters_on_disk`` its
-    masters) on disk; per step, this rank's model-state records and the disk tier's bytes, as ``MemoryMonitor`` logs
-    them."""
+    masters) on disk, stepped by AdamW or plain SGD (``"sgd"``: no state, only masters to move); per step, this rank's
+    model-state records and the disk tier's bytes, as ``MemoryMonitor`` logs them."""
     from lightning_colossal import GeminiStrategy, StaticPlacement, ZeroStrategy
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(3)
     module = GPTLightningModule(**SHAPE, warmup_steps=1)
+    if optimizer == "sgd":
+        module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.01)  # type: ignore[method-assign]
     monitor = MemoryMonitor(log_every_n_steps=1)
     if base == "colossal_gemini_offload":
         placement = StaticPlacement(offload_optim_frac=1.0, disk_fraction=fraction)
@@ -196,30 +203,37 @@ def disk_body(
 
 # The last field: masters_on_disk. Gemini's fp32 shards on CPU ranks are their own masters (nothing moves: the
 # planner must say so too); its bf16 chunks and ZeRO's offloaded shards have separate masters, which move.
+# Plain SGD keeps no state: only its masters go to disk, in records of masters alone.
 DISK_CASES = [
-    ("colossal_zero2_offload", 1.0, "32-true", False),
-    ("colossal_zero2_offload", 0.5, "bf16-true", False),
-    ("colossal_gemini_offload", 1.0, "32-true", False),
-    ("colossal_gemini_offload", 1.0, "bf16-true", False),
-    ("colossal_zero2_offload", 0.5, "32-true", True),
-    ("colossal_gemini_offload", 1.0, "bf16-true", True),
-    ("colossal_gemini_offload", 1.0, "32-true", True),
+    ("colossal_zero2_offload", 1.0, "32-true", False, "adamw"),
+    ("colossal_zero2_offload", 0.5, "bf16-true", False, "adamw"),
+    ("colossal_gemini_offload", 1.0, "32-true", False, "adamw"),
+    ("colossal_gemini_offload", 1.0, "bf16-true", False, "adamw"),
+    ("colossal_zero2_offload", 0.5, "32-true", True, "adamw"),
+    ("colossal_gemini_offload", 1.0, "bf16-true", True, "adamw"),
+    ("colossal_gemini_offload", 1.0, "32-true", True, "adamw"),
+    ("colossal_zero2_offload", 1.0, "bf16-true", True, "sgd"),
+    ("colossal_gemini_offload", 1.0, "bf16-true", True, "sgd"),
 ]
 
 
 @pytest.mark.parametrize(
-    ("base", "fraction", "precision", "masters_on_disk"),
+    ("base", "fraction", "precision", "masters_on_disk", "optimizer"),
     DISK_CASES,
-    ids=[f"{b}-{f}-{p}{'-masters' if m else ''}" for b, f, p, m in DISK_CASES],
+    ids=[f"{b}-{f}-{p}{'-masters' if m else ''}{'-sgd' if o == 'sgd' else ''}" for b, f, p, m, o in DISK_CASES],
 )
-def test_disk_tier_bytes_equal_the_engines_exactly(rank_pool_2, tmp_path, base, fraction, precision, masters_on_disk):
+def test_disk_tier_bytes_equal_the_engines_exactly(
+    rank_pool_2, tmp_path, base, fraction, precision, masters_on_disk, optimizer
+):
     from lightning_colossal.planning.model_state import disk_records_of
     from lightning_colossal.planning.settings import disk_setting
 
     model = demo_model(OVERRIDES)
     setting = disk_setting(base, fraction, str(tmp_path), masters_on_disk)
-    training = Training(precision, OPTIMIZERS["adamw"], device_type="cpu")
-    results = rank_pool_2.run(disk_body, base, fraction, precision, str(tmp_path), masters_on_disk, timeout=300)
+    training = Training(precision, OPTIMIZERS[optimizer], device_type="cpu")
+    results = rank_pool_2.run(
+        disk_body, base, fraction, precision, str(tmp_path), masters_on_disk, optimizer, timeout=300
+    )
     for rank, records in enumerate(results):
         planned = model_state(model.shapes, setting, training, WORLD_SIZE, rank)
         staging = disk_records_of(model.shapes, setting, training, WORLD_SIZE, rank).staging_bytes

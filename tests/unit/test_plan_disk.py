@@ -505,9 +505,23 @@ def test_each_disk_setting_takes_the_least_share_that_fits_the_host():
     assert chosen(shares[1.0].host_bytes) == (1.0, False), "no share leaves 10%: the first that fits at all"
     # No share of the state alone fits: the masters go too (test_masters_on_disk_are_a_further_step_...).
     assert chosen(shares[1.0].host_bytes - 1) == (1.0, True)
-    # Plain SGD keeps nothing shaped like the parameters: no disk settings, and a note says why.
+    # Plain SGD keeps nothing shaped like the parameters: only the masters can go to disk, where they are separate
+    # from the working weights (bf16-mixed keeps fp32 parameters: ZeRO's masters, Gemini's with its shards on the GPU;
+    # fully offloaded Gemini's host shards are their own masters). One row each, masters on disk; a note says so.
     sgd = make_plan(model, hardware, Training("bf16-mixed", OPTIMIZERS["sgd"]), workload)
-    assert not disk_rows(sgd) and any("no disk settings" in note for note in sgd.notes)
+    rows = disk_rows(sgd)
+    assert [row.setting.label.split(" + ")[0] for row in rows] == list(DISK_BASES[:3])
+    assert all(row.setting.masters_on_disk and row.model_state.parameters.disk > 0 for row in rows)
+    # No state on disk: the records' other bytes are the tier's alignment only (4 KiB a record, 64 bytes a tensor).
+    assert all(row.model_state.optimizer_state.disk < 0.001 * row.model_state.parameters.disk for row in rows)
+    assert any("only disk settings are '+ masters' rows" in note for note in sgd.notes)
+    # On CPU ranks in fp32 a Gemini shard is its own master: nothing to move, so no Gemini row; ZeRO's masters move.
+    cpu = replace(hardware, device_type="cpu", device_memory=64 * GIB, host_memory=64 * GIB)
+    cpu_rows = disk_rows(make_plan(model, cpu, Training("32-true", OPTIMIZERS["sgd"], "cpu"), workload))
+    assert [row.setting.label.split(" + ")[0] for row in cpu_rows] == [
+        "colossal_zero1_offload",
+        "colossal_zero2_offload",
+    ]
 
 
 def test_cpu_ranks_weigh_the_disk_settings_too():
