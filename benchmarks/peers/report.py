@@ -75,6 +75,13 @@ class ConfigurationSummary:
     other_load: Summary | None
     final_loss: float
     tensor_parallel_parameter_count: int | None = None
+    #: What a user waits for besides the steps (slowest rank per run; ``None`` for runs that did not record it):
+    #: setup from the Trainer's construction to the first batch, teardown from the last batch's end to ``fit``'s return.
+    setup_seconds: Summary | None = None
+    teardown_seconds: Summary | None = None
+    #: The whole ``fit`` (setup, every step, warm-up ones too, teardown) against the peer's of the same repeat: what a
+    #: harness that times ``trainer.fit`` sees.
+    fit_ratio_to_peer: Summary | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -115,6 +122,22 @@ def _rank_bytes(rank_result: Mapping[str, Any], mode: str | None, world_size: in
     )
 
 
+def _fit_spans(run: Mapping[str, Any]) -> dict[str, float] | None:
+    """A run's setup, teardown and whole-``fit`` seconds from its ranks' moments, or None when a rank did not record
+    them (workers of other harnesses). Each span starts when the last rank got there (ranks finish their imports at
+    different times and then wait for each other when the process group forms) and ends when the last rank did."""
+    moments = [rank.get("moments") or {} for rank in run["ranks"]]
+    needed = ("before_trainer", "first_batch", "last_batch_end", "fit_returned")
+    if not moments or any(name not in rank_moments for rank_moments in moments for name in needed):
+        return None
+    last = {name: max(rank_moments[name] for rank_moments in moments) for name in needed}
+    return {
+        "setup": last["first_batch"] - last["before_trainer"],
+        "teardown": last["fit_returned"] - last["last_batch_end"],
+        "fit": last["fit_returned"] - last["before_trainer"],
+    }
+
+
 def _step_times_by_label(accepted: Sequence[Mapping[str, Any]], statistic: str) -> dict[str, dict[int, float]]:
     """Each accepted run's step time (``statistic`` over its ranks' steps), by label and repeat."""
     step_times: dict[str, dict[int, float]] = {}
@@ -130,6 +153,7 @@ def _summarize_configuration(
     by_repeat: dict[int, float],
     ratios: list[float],
     tokens_per_step: int,
+    fit_ratios: list[float],
 ) -> ConfigurationSummary:
     """One configuration's figures from its accepted runs (in repeat order) and their step times by repeat."""
     label, mode = configuration["label"], configuration["mode"]
@@ -145,6 +169,7 @@ def _summarize_configuration(
     loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
     first = own_runs[0]
     data_parallel_size = first["ranks"][0].get("data_parallel_size", world_size)
+    spans = [span for span in (_fit_spans(run) for run in own_runs) if span is not None]
     return ConfigurationSummary(
         label=label,
         strategy=configuration["strategy"],
@@ -164,6 +189,9 @@ def _summarize_configuration(
         other_load=summarize(loads) if loads else None,
         final_loss=sum(rank["losses"][-1] for rank in first["ranks"]) / world_size,
         tensor_parallel_parameter_count=first["ranks"][0].get("tensor_parallel_parameter_count"),
+        setup_seconds=summarize([span["setup"] for span in spans]) if spans else None,
+        teardown_seconds=summarize([span["teardown"] for span in spans]) if spans else None,
+        fit_ratio_to_peer=summarize(fit_ratios) if fit_ratios else None,
     )
 
 
@@ -186,6 +214,11 @@ def summarize_configurations(
     """
     accepted = [run for run in runs if run["status"] in ACCEPTED_STATUSES]
     step_times = _step_times_by_label(accepted, statistic)
+    fit_seconds: dict[str, dict[int, float]] = {}
+    for run in accepted:
+        span = _fit_spans(run)
+        if span is not None:
+            fit_seconds.setdefault(run["label"], {})[run["repeat"]] = span["fit"]
     summaries = []
     for configuration in configurations:
         label = configuration["label"]
@@ -194,7 +227,12 @@ def summarize_configurations(
             continue
         by_repeat = step_times[label]
         ratios = paired_ratios(by_repeat, step_times.get(peer, {})) if peer and label != peer else []
-        summaries.append(_summarize_configuration(configuration, own_runs, by_repeat, ratios, tokens_per_step))
+        fit_ratios = (
+            paired_ratios(fit_seconds.get(label, {}), fit_seconds.get(peer, {})) if peer and label != peer else []
+        )
+        summaries.append(
+            _summarize_configuration(configuration, own_runs, by_repeat, ratios, tokens_per_step, fit_ratios)
+        )
     return summaries
 
 
@@ -218,6 +256,8 @@ def _timing_rows(summaries: Sequence[ConfigurationSummary], peer: str | None) ->
         "step time s, median [min–max]",
         "tokens/s",
         f"ratio vs {peer}, median [min–max]" if peer else "ratio",
+        "setup / teardown s",
+        f"whole fit vs {peer}" if peer else "whole fit",
         "peak RSS MiB per rank",
         "other load (cores), median [min–max]",
         "last loss",
@@ -235,12 +275,26 @@ def _timing_rows(summaries: Sequence[ConfigurationSummary], peer: str | None) ->
                 _range(summary.step_time, 3),
                 f"{summary.tokens_per_second:.0f}",
                 ratio,
+                _setup_and_teardown(summary),
+                _fit_ratio(summary, peer),
                 " / ".join(f"{value / _MIB:.0f}" for value in summary.peak_rss_bytes_per_rank),
                 _range(summary.other_load, 2) if summary.other_load else "unknown",
                 f"{summary.final_loss:.6f}",
             ]
         )
     return header, rows
+
+
+def _setup_and_teardown(summary: ConfigurationSummary) -> str:
+    if summary.setup_seconds is None or summary.teardown_seconds is None:
+        return "n/a"
+    return f"{summary.setup_seconds.median:.2f} / {summary.teardown_seconds.median:.2f}"
+
+
+def _fit_ratio(summary: ConfigurationSummary, peer: str | None) -> str:
+    if summary.fit_ratio_to_peer is not None:
+        return _range(summary.fit_ratio_to_peer, 3)
+    return "1 (peer)" if summary.label == peer else "n/a"
 
 
 def _bytes_rows(summaries: Sequence[ConfigurationSummary]) -> tuple[list[str], list[list[str]]]:

@@ -39,6 +39,9 @@ from lightning_colossal.demo.model import GPTConfig
 from lightning_colossal.gemini import GeminiEngine, GeminiMemoryReport
 from lightning_colossal.strategies import GeminiStrategy
 
+#: When this module's imports finished (torch, Lightning, the project): a phase of the whole run a user waits for.
+_IMPORTS_DONE = time.time()
+
 
 class BenchmarkProbe(Callback):
     """Times every training step and measures model-state bytes at the end of training.
@@ -66,11 +69,24 @@ class BenchmarkProbe(Callback):
         self._step_start = 0.0
         self._gathered_sampler: GatheredPeakSampler | None = None
         self.tensor_parallel_parameter_count = 0
+        #: Wall-clock moments (``time.time()``) of the run's phases, for the setup and teardown a user also waits for.
+        self.moments: dict[str, float] = {}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.moments.setdefault("setup_hook", time.time())  # the process group exists; the strategy set up nothing
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.moments["fit_start"] = time.time()  # the strategy wrapped the model and optimizers
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.moments["fit_end"] = time.time()
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         engine = _gemini_engine(trainer)
         if engine is not None and batch_idx == 0 and self.warmup_steps > 0 and not _ENGINE_TRACKS_PEAK:
             self._gathered_sampler = GatheredPeakSampler(engine, pl_module)
+        if batch_idx == 0:
+            self.moments["first_batch"] = time.time()
         if batch_idx == self.warmup_steps:
             if self._gathered_sampler is not None:
                 self._gathered_sampler.remove()  # before the window opens: measured steps run without the hooks
@@ -86,6 +102,7 @@ class BenchmarkProbe(Callback):
         self.losses.append(float(loss.detach()))
         if batch_idx == self.total_steps - 1:
             self.close_window()
+            self.moments["last_batch_end"] = time.time()
 
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
@@ -209,6 +226,9 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
     # its sampler by a DistributedSampler that shuffles training data with a fixed seed (PL_GLOBAL_SEED, else 0).
     loader = DataLoader(dataset, batch_size=spec.batch_size_per_rank, shuffle=False, drop_last=True)
     probe = BenchmarkProbe(spec.warmup_steps, spec.total_steps)
+    probe.moments["process_start"] = _process_start_time()
+    probe.moments["imports_done"] = _IMPORTS_DONE
+    probe.moments["before_trainer"] = time.time()  # the data made; ``train_on_cpu`` builds the Trainer, then fits
     trainer = train_on_cpu(
         build_strategy(spec.strategy, spec.init_args),
         spec.world_size,
@@ -217,6 +237,7 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
         loader,
         [probe],
     )
+    probe.moments["fit_returned"] = time.time()
     if len(probe.step_times) != spec.measured_steps:
         raise RuntimeError(f"Measured {len(probe.step_times)} steps, expected {spec.measured_steps}.")
     sampler_arguments = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
@@ -228,6 +249,18 @@ def run(spec: RunSpec, rank: int) -> dict[str, Any]:
         data_parallel_size=int(sampler_arguments.get("num_replicas", spec.world_size)),
         strategy_class=type(trainer.strategy).__qualname__,
     )
+
+
+def _process_start_time() -> float:
+    """This process's start as a ``time.time()`` moment (Linux: /proc), or NaN where that cannot be read."""
+    try:
+        ticks_after_boot = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+    except (OSError, ValueError, IndexError, StopIteration):
+        return float("nan")
+    return boot + ticks_after_boot / os.sysconf("SC_CLK_TCK")
 
 
 def rank_result(
@@ -246,6 +279,7 @@ def rank_result(
         "tensor_parallel_parameter_count": probe.tensor_parallel_parameter_count,
         "data_parallel_size": data_parallel_size,
         "window": probe.window,
+        "moments": probe.moments,
         "strategy_class": strategy_class,
     }
 

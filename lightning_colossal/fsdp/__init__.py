@@ -3,9 +3,9 @@
 from lightning_colossal.fsdp.exchange import drop_kept_buffers
 from lightning_colossal.fsdp.gradients import UnusedGradientTracker, include_unused_parameters_in_reduction
 from lightning_colossal.fsdp.initialise import initialise_shards, storage_free_template
+from lightning_colossal.fsdp.whole import full_tensor, full_tensors
 from lightning_colossal.fsdp.wrap import (
     detect_block_classes,
-    full_tensor,
     shard_model,
     sharded_roots,
     unshard_model,
@@ -17,6 +17,7 @@ __all__ = [
     "include_unused_parameters_in_reduction",
     "detect_block_classes",
     "full_tensor",
+    "full_tensors",
     "initialise_shards",
     "storage_free_template",
     "shard_model",

@@ -32,17 +32,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.engine_parts.shown_techniques import ACTIVATION_CHECKPOINTING, show, unshow
 from lightning_colossal.fsdp.exchange import use_direct_exchange
+from lightning_colossal.fsdp.whole import full_tensors
 
 
 def detect_block_classes(module: nn.Module, known_blocks: Iterable[str] = ()) -> set[str]:
@@ -192,12 +192,20 @@ def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Param
         # forward (no backward reshards them); only the sharded ones are described by FSDP's records below.
         unit.reshard()
     replaced: dict[int, nn.Parameter] = {}
+    # Every unit's parameters gathered together, in a few collectives ([Note: gathering many shards at once]).
+    sharded_parameters = [
+        fsdp_parameter.sharded_param
+        for unit in units
+        for group in parameter_groups(unit._get_fsdp_state())
+        for fsdp_parameter in group.fsdp_params
+    ]
+    whole_values = iter(full_tensors(sharded_parameters, device))
     for unit in units:
         state = unit._get_fsdp_state()
         for group in parameter_groups(state):
             for fsdp_parameter in group.fsdp_params:
                 sharded = fsdp_parameter.sharded_param
-                plain = nn.Parameter(full_tensor(sharded).to(device), requires_grad=sharded.requires_grad)
+                plain = nn.Parameter(next(whole_values), requires_grad=sharded.requires_grad)
                 info = fsdp_parameter._module_info
                 owners = [
                     (info.module, info.param_name),
@@ -234,20 +242,6 @@ def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Param
 
 
 @torch.no_grad()
-def full_tensor(tensor: Tensor) -> Tensor:
-    """The whole value of a DTensor (a collective over its mesh); other tensors are returned unchanged."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    local = tensor.to_local()
-    mesh_device = tensor.device_mesh.device_type
-    if local.device.type != mesh_device:
-        # CPU offload keeps shards in host memory while the mesh's collectives (nccl) need device tensors.
-        tensor = DTensor.from_local(
-            local.to(mesh_device), tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
-        )
-    return tensor.full_tensor()
-
-
 def parameter_groups(state: Any) -> list[Any]:
     """The FSDP parameter groups of a unit's state, under the attribute of whichever torch is installed."""
     groups = getattr(state, "_fsdp_param_groups", None)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_colossal.fsdp import full_tensor, unshard_model
+from lightning_colossal.fsdp import full_tensors, unshard_model
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 
 
@@ -24,11 +24,12 @@ def give_back_plain_weights(
             optimizers of an earlier fit, which still hold those.
     """
     sharded_names = {id(parameter): name for name, parameter in module.named_parameters()}
-    replaced = unshard_model(module, torch.device("cpu"))
+    host = torch.device("cpu")
+    replaced = unshard_model(module, host)
     plain_by_name = dict(module.named_parameters())
     known_names = {**names_before_sharding, **sharded_names}
     for optimizer in optimizers:
-        point_optimizer_at(unwrap_optimizer(optimizer), replaced, known_names, plain_by_name)
+        point_optimizer_at(unwrap_optimizer(optimizer), replaced, known_names, plain_by_name, host)
 
 
 @torch.no_grad()
@@ -37,15 +38,19 @@ def point_optimizer_at(
     replaced: Mapping[int, torch.nn.Parameter],
     known_names: Mapping[int, str],
     plain_by_name: Mapping[str, torch.nn.Parameter],
+    device: torch.device | None = None,
 ) -> None:
-    """Make ``optimizer`` hold the module's new plain parameters, with its DTensor state gathered whole.
+    """Make ``optimizer`` hold the module's new plain parameters, with its DTensor state gathered whole (onto
+    ``device``; None: where it is gathered).
 
     A parameter is found by identity among the replaced shards, else by its name before sharding (an optimizer of an
     earlier fit, during a later validate/test/predict run). Gathering is a collective: every rank walks the same
-    parameters in the same order (param groups, then each parameter's state keys sorted).
+    parameters in the same order (param groups, then each parameter's state keys sorted), and the state is gathered
+    in a few collectives ([Note: gathering many shards at once] in ``fsdp/whole.py``).
     """
     old_state = optimizer.state
     new_state: dict[Tensor, dict[str, Any]] = {}
+    gathered: list[tuple[dict[str, Any], str, Any]] = []  # (new entry, key, the sharded value)
     for group in optimizer.param_groups:
         new_parameters = []
         for parameter in group["params"]:
@@ -56,7 +61,12 @@ def point_optimizer_at(
             new_parameters.append(plain)
             entry = old_state.get(parameter)
             if entry is not None:
-                new_state[plain] = {key: full_tensor(entry[key]) for key in sorted(entry)}
+                new_entry = new_state[plain] = {}
+                gathered += [(new_entry, key, entry[key]) for key in sorted(entry)]
         group["params"] = new_parameters
+    values = [value for _, _, value in gathered]
+    whole = full_tensors([value for value in values if isinstance(value, Tensor)], device)[::-1]
+    for (new_entry, key, _), value in zip(gathered, values, strict=True):
+        new_entry[key] = whole.pop() if isinstance(value, Tensor) else value
     old_state.clear()
     old_state.update(new_state)

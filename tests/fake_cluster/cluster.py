@@ -149,7 +149,10 @@ class CollectiveRecorder:
     def replacements(self) -> dict[str, Callable[..., Any]]:
         def collective(name: str, tensor_positions: tuple[int, ...]) -> Callable[..., Any]:
             def call(*args: Any, group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
-                self._record(name, group, *(args[position] for position in tensor_positions if position < len(args)))
+                handed = [args[position] for position in tensor_positions if position < len(args)]
+                # List forms (``all_gather(outputs, input)``) hand the group every tensor of the list.
+                flat = [item for value in handed for item in (value if isinstance(value, list | tuple) else [value])]
+                self._record(name, group, *flat)
                 return DoneWork() if async_op else None
 
             return call
@@ -157,6 +160,7 @@ class CollectiveRecorder:
         return {
             "all_reduce": collective("all_reduce", (0,)),
             "broadcast": collective("broadcast", (0,)),
+            "all_gather": collective("all_gather", (0, 1)),
             "all_gather_into_tensor": collective("all_gather", (0, 1)),
             "all_gather_single": collective("all_gather", (0, 1)),
             "reduce_scatter_tensor": collective("reduce_scatter", (0, 1)),

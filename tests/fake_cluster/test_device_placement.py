@@ -235,3 +235,28 @@ def test_gemini_issues_the_same_collectives_in_the_same_order_on_every_rank():
     first, other = _gemini_step_order(1), _gemini_step_order(6)
     assert first == other
     assert {role for role, _, _ in first} >= {"gathers", "reductions"}
+
+
+def test_gathering_host_shards_whole_hands_the_gpu_group_gpu_tensors(monkeypatch):
+    """Giving an FSDP module back under CPU offload: the shards' sizes and values reach the (NCCL) group as GPU
+    tensors, in one all-gather each per bucket, and the whole tensors land where asked ([Note: gathering many shards
+    at once] in ``fsdp/whole.py``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from lightning_colossal.fsdp import full_tensors
+
+    gather_sizes = collectives.all_gather_tensor
+
+    def sizes_with_values(tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        gathered = gather_sizes(tensor, group)  # recorded and checked like any collective
+        with _disable_current_modes():  # the values the fake group cannot give: every rank holds 4 rows
+            return torch.full(tuple(gathered.shape), 4, dtype=torch.int64)
+
+    monkeypatch.setattr(collectives, "all_gather_tensor", sizes_with_values)
+    with fake_cluster(8, rank=5) as cluster:
+        mesh = DeviceMesh("cuda", list(range(8)))
+        shards = [piece_of_whole(torch.empty(4, 3), mesh, [Shard(0)], (32, 3)) for _ in range(3)]
+        wholes = full_tensors([*shards, torch.tensor(1.0)], torch.device("cpu"))
+        assert [whole.device.type for whole in wholes] == ["cpu"] * 4
+        assert [tuple(whole.shape) for whole in wholes] == [(32, 3)] * 3 + [()]
+        assert [call.name for call in cluster.recorder.calls] == ["all_gather", "all_gather"]

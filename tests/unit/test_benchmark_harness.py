@@ -516,3 +516,41 @@ def test_compute_floor_deals_every_parameter_to_exactly_one_rank_and_balances_th
     loads = [sum(sizes[index] for index in share) for share in shares]
     assert abs(loads[0] - loads[1]) <= max(sizes[index] for index in range(len(sizes)) if sizes[index] < 4_194_304)
     assert rank_share(sizes, 1, 0) == list(range(len(sizes)))
+
+
+def _with_moments(run: dict[str, Any], start: float, setup: float, steps: float, teardown: float) -> dict[str, Any]:
+    """``run`` with its ranks' moments: rank 1 reaches the Trainer 2 s later (a slower import) than rank 0."""
+    for lateness, rank in zip((0.0, 2.0), run["ranks"], strict=True):
+        first_batch = start + 2.0 + setup
+        rank["moments"] = {
+            "before_trainer": start + lateness,
+            "first_batch": first_batch,
+            "last_batch_end": first_batch + steps,
+            "fit_returned": first_batch + steps + teardown + lateness / 10,
+        }
+    return run
+
+
+def test_setup_teardown_and_whole_fit_are_timed_from_the_last_rank_and_paired_with_the_peer() -> None:
+    runs = [
+        _with_moments(_run("ours", 0, 1.0), 100.0, setup=1.0, steps=10.0, teardown=1.0),
+        _with_moments(_run("peer", 0, 1.0), 200.0, setup=0.5, steps=10.0, teardown=0.0),
+        _run("ours", 1, 1.0),  # recorded no moments (another harness's worker): in no fit figure
+        _run("peer", 1, 1.0),
+    ]
+    configurations: list[dict[str, Any]] = [
+        {"label": "ours", "strategy": "x", "mode": "ddp"},
+        {"label": "peer", "strategy": "y", "mode": None},
+    ]
+    ours, peer = summarize_configurations(runs, configurations, "peer", "min", tokens_per_step=1024)
+    assert ours.setup_seconds is not None and ours.teardown_seconds is not None
+    # From the last rank's arrival (rank 1, 2 s late), not rank 0's: the wait for a slower import is not setup.
+    assert ours.setup_seconds.median == pytest.approx(1.0) and ours.setup_seconds.count == 1
+    assert ours.teardown_seconds.median == pytest.approx(1.2)
+    assert ours.fit_ratio_to_peer is not None and ours.fit_ratio_to_peer.count == 1
+    assert ours.fit_ratio_to_peer.median == pytest.approx((1.0 + 10.0 + 1.2) / (0.5 + 10.0 + 0.2))
+    assert peer.fit_ratio_to_peer is None
+    text = format_text([ours, peer], "peer", [])
+    assert "1.00 / 1.20" in text and "0.50 / 0.20" in text and "1.140 [1.140–1.140]" in text
+    (alone,) = summarize_configurations(runs[2:3], configurations[:1], None, "min", 1024)
+    assert alone.setup_seconds is None and "n/a" in format_text([alone], None, [])
