@@ -242,7 +242,8 @@ class StepProfile:
     - ``bind``: binding a record's state as views of its staging buffer, copying fresh state in after the first step,
       putting placeholders back (``_bind``, ``_copy_in``, ``_unbind``);
     - ``read_wait`` / ``write_wait``: the main thread blocked in ``Future.result()`` on a read (the record it is about
-      to step) or on a write (a staging buffer to reuse, or the last writes at the end);
+      to step) or on a write (a staging buffer to reuse); a step's last writes and the next step's first reads run
+      during the forward and backward between them, and count in the figures of the step after;
     - ``local``: the whole rank-local stream (``DiskOptimizerState._step``); the rest of ``step`` is the one small
       all-reduce in which the ranks agree that every disk worked (it also waits for the slower rank);
     - on the I/O threads, ``read_io`` / ``write_io``: the seconds every read and write call took, and ``io_busy``: the
@@ -299,15 +300,16 @@ class StepProfile:
                     profile.intervals.append((start, end))
 
         tier_class._transfer = transfer  # type: ignore[method-assign]
-        for kind in ("read", "write"):
-            original = getattr(tier_class, kind)
+        # A step's first reads start at the end of the step before (``read_after``); waiting for them is a read wait.
+        for method, kind in (("read", "read"), ("write", "write"), ("read_after", "read")):
+            original = getattr(tier_class, method)
 
             def submit(tier: TierFile, *args: Any, _original: Any = original, _kind: str = kind) -> Future[None]:
                 future = _original(tier, *args)
                 future._disk_kind = _kind  # type: ignore[attr-defined]
                 return future
 
-            setattr(tier_class, kind, submit)
+            setattr(tier_class, method, submit)
         original_result = Future.result
 
         def result(future: Future[Any], timeout: float | None = None) -> Any:

@@ -47,6 +47,8 @@ class EngineDiskTier:
         if self.disk_state is None:
             return
         assert self.optimizer is not None
+        # The last step's writes may still run; a failed one stops every rank here, before any checkpoint file.
+        self.disk_state.settle(self.process_group)
         masters = [master for group in self.optimizer.param_groups for master in group["params"]]
         sharded_state.initialise_optimizer_state(self.optimizer, masters, step=self.disk_state.step)
         self.disk_state.defer()

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -209,10 +210,13 @@ def _owner_gone(directory: Path) -> bool:
     return True
 
 
-def _all_of(parts: list[Future[None]]) -> Future[None]:
-    """A future done when every one of ``parts`` is, failing with the first failure among them (after all finished:
-    no block is still being read into or written from the buffer once it reports)."""
+def all_of(parts: Sequence[Future[None]]) -> Future[None]:
+    """A future done when every one of ``parts`` is (at once for none), failing with the first failure among them
+    (after all finished: no block is still being read into or written from the buffer once it reports)."""
     combined: Future[None] = Future()
+    if not parts:
+        combined.set_result(None)
+        return combined
     remaining = [len(parts)]
     lock = threading.Lock()
 
@@ -288,6 +292,30 @@ class TierFile:
         """Fill ``buffer`` (a contiguous CPU tensor) from ``offset``, block by block on the I/O threads."""
         return self._submit(offset, buffer, False)
 
+    def read_after(self, gate: Future[None], offset: int, buffer: Tensor) -> Future[None]:
+        """``read``, started once ``gate`` is done (the writes that still use ``buffer``, or that write the range
+        being read); fails with ``gate``'s failure instead of reading."""
+        outcome: Future[None] = Future()
+
+        def finished(transfer: Future[None]) -> None:
+            error = transfer.exception()
+            if error is None:
+                outcome.set_result(None)
+            else:
+                outcome.set_exception(error)
+
+        def start(_: Future[None]) -> None:
+            if gate.exception() is not None:
+                finished(gate)
+                return
+            try:
+                self.read(offset, buffer).add_done_callback(finished)
+            except BaseException as error:  # noqa: BLE001 - whatever stops the read must reach whoever waits for it
+                outcome.set_exception(error)
+
+        gate.add_done_callback(start)
+        return outcome
+
     def _submit(self, offset: int, buffer: Tensor, writing: bool) -> Future[None]:
         flat = buffer.reshape(-1).view(torch.uint8)
         if not SPLIT_TRANSFERS:
@@ -296,7 +324,7 @@ class TierFile:
             self._pool.submit(self._transfer, offset + start, flat[start : start + BLOCK_BYTES], writing)
             for start in range(0, max(flat.numel(), 1), BLOCK_BYTES)
         ]
-        return parts[0] if len(parts) == 1 else _all_of(parts)
+        return parts[0] if len(parts) == 1 else all_of(parts)
 
     def write_now(self, offset: int, buffer: Tensor) -> None:
         self._transfer(offset, buffer, True)

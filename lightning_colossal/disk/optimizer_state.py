@@ -22,6 +22,16 @@ and checkpoints neither hold nor demand any for it.
 Optimizers that couple parameters (LBFGS: a closure and one global line search) are refused: stepping a subset would
 change what they compute.
 
+[Note: the step's I/O runs on]
+A step does not wait for its last writes: they finish during the forward and backward that follow, and once they
+have, the next step's first records are read into the freed buffers (``_read_ahead``), so the next step starts
+stepping at once instead of waiting for its first reads. Between steps nothing else changes the records, except
+through this class: every read or change of the file outside a step (checkpoints' entry reads and writes,
+``materialise``, ``store``, ``close``) first waits for that I/O and drops the reads ahead (``_settle``), so it sees
+what the step wrote and the next step reads again what it changed. A failed trailing write surfaces in the next
+step (its buffer's read ahead fails with it), where the ranks agree on it as on any disk failure in a step, or in
+whatever settles first.
+
 [Note: masters on disk]
 With ``masters_on_disk`` a record also holds its masters' own values (fp32, ahead of their state), so the engine keeps
 no host copy of them either. Each master tensor keeps its identity (the optimizer's ``param_groups`` and ``state`` are
@@ -48,7 +58,15 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from lightning_colossal.disk.files import DiskTierError, DiskTierFull, TierDirectory, TierFile, align_up, aligned_buffer
+from lightning_colossal.disk.files import (
+    DiskTierError,
+    DiskTierFull,
+    TierDirectory,
+    TierFile,
+    align_up,
+    aligned_buffer,
+    all_of,
+)
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts import optimizer_takeover, stand_ins
@@ -256,6 +274,10 @@ class DiskOptimizerState:
         self.slot_bytes = max((record.nbytes for record in self.records), default=0)
         self._streaming = False
         self._slots: list[Tensor] | None = None
+        # I/O a step leaves running into the forward and backward that follow ([Note: the step's I/O runs on]): its
+        # last writes (future, buffer), and the next step's first reads (record index: future, buffer).
+        self._trailing_writes: list[tuple[Future[None], Tensor]] = []
+        self._reads_ahead: dict[int, tuple[Future[None], Tensor]] = {}
         self._guard = optimizer.register_step_pre_hook(self._refuse_outside_streaming) if self.records else None
         self.bytes_read = 0
         self.bytes_written = 0
@@ -289,6 +311,9 @@ class DiskOptimizerState:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+        # A write that failed here is of state nobody will read: the tier goes, and anything that needed the state
+        # (a checkpoint) settled it before and got the error.
+        self._settle(raise_failure=False)
         self._finish_deferred()
         # The placeholders go too: nothing may later read zeros as this state.
         for record in self.records:
@@ -314,6 +339,21 @@ class DiskOptimizerState:
             output = self._step(**kwargs)
         except DiskTierError as error:
             failure = error
+        self._agree(failure, group, "in this optimizer step")
+        return output
+
+    def settle(self, group: ProcessGroup | None = None) -> None:
+        """Wait for the I/O the last step left running ([Note: the step's I/O runs on]); before a checkpoint reads or
+        fills the state. With ``group``, the ranks agree whether any rank's last writes failed, as after a step."""
+        failure: DiskTierError | None = None
+        try:
+            self._settle()
+        except DiskTierError as error:
+            failure = error
+        self._agree(failure, group, "writing the last optimizer step's state")
+
+    def _agree(self, failure: DiskTierError | None, group: ProcessGroup | None, when: str) -> None:
+        """Raise ``failure``, or (with ``group``) another rank's: one small all-reduce of a flag."""
         if group is not None and collectives.world_size(group) > 1:
             flag = torch.tensor([0 if failure is None else 2 if isinstance(failure, DiskTierFull) else 1])
             with Activity("agreeing whether every rank's disk tier stepped"):
@@ -321,13 +361,12 @@ class DiskOptimizerState:
             if failure is None and flag.item():
                 kind = DiskTierFull if flag.item() == 2 else DiskTierError
                 raise kind(
-                    f"Another rank's disk tier failed{' (its disk is full)' if flag.item() == 2 else ''} in this"
-                    f" optimizer step (this rank's tier is under {self.file.directory.parent}); that rank's error says"
-                    " why. Every rank stopped; the last checkpoint is intact (checkpoints are written atomically)."
+                    f"Another rank's disk tier failed{' (its disk is full)' if flag.item() == 2 else ''} {when}"
+                    f" (this rank's tier is under {self.file.directory.parent}); that rank's error says why. Every"
+                    " rank stopped; the last checkpoint is intact (checkpoints are written atomically)."
                 )
         if failure is not None:
             raise failure
-        return output
 
     def _step(self, **kwargs: Any) -> Any:
         if kwargs.get("closure") is not None:
@@ -349,10 +388,18 @@ class DiskOptimizerState:
             self._slots = [
                 aligned_buffer(self.slot_bytes, self.beside) for _ in range(min(STAGING_SLOTS, len(self.records)))
             ]
-        slots: deque[Tensor] = deque(self._slots)
-        writes: deque[tuple[Future[None], Tensor]] = deque()
-        reads: dict[int, tuple[Future[None] | None, Tensor]] = {}
-        next_read = 0
+        # The last step's reads ahead own their buffers; its writes still running give theirs back when done. A write
+        # whose buffer a read ahead took is that read's gate: its failure comes back through the read.
+        reads: dict[int, tuple[Future[None] | None, Tensor]] = dict(self._reads_ahead)
+        taken = {id(slot) for _, slot in reads.values()}
+        writes: deque[tuple[Future[None], Tensor]] = deque(
+            (future, slot) for future, slot in self._trailing_writes if id(slot) not in taken
+        )
+        slots: deque[Tensor] = deque(
+            slot for slot in self._slots if id(slot) not in taken and all(slot is not held for _, held in writes)
+        )
+        self._reads_ahead, self._trailing_writes = {}, []
+        next_read = len(reads)
 
         def reclaim_written(wait_for_one: bool = False) -> None:
             """Buffers whose writes finished back into ``slots``; with ``wait_for_one``, at least the oldest."""
@@ -398,16 +445,36 @@ class DiskOptimizerState:
                 record.written = True
                 self._unbind(record)
                 self._unbind_masters(record)
-            while writes:
-                writes.popleft()[0].result()
-        finally:
+        except BaseException:
             # An I/O error leaves no thread writing into buffers that are about to be freed.
             for pending, _ in writes:
                 pending.exception()
             for pending, _ in reads.values():
                 if pending is not None:
                     pending.exception()
+            raise
+        self._trailing_writes = list(writes)
+        self._read_ahead()
         return output
+
+    def _read_ahead(self) -> None:
+        """Start the next step's first reads, one per staging buffer, once this step's last writes are done
+        ([Note: the step's I/O runs on])."""
+        assert self._slots is not None
+        gate = all_of([future for future, _ in self._trailing_writes])
+        # Every record holds values now: the step wrote each one.
+        for index, (record, slot) in enumerate(zip(self.records, self._slots, strict=False)):
+            self._reads_ahead[index] = (self.file.read_after(gate, record.file_offset, slot[: _io_bytes(record)]), slot)
+
+    def _settle(self, raise_failure: bool = True) -> None:
+        """Wait for the I/O the last step left running and drop its reads ahead: whatever reads or changes the file
+        outside a step must see what the step wrote, and a later step must not step values read before a change.
+        A failed write (or read) raises its error, which names the directory."""
+        pending = [future for future, _ in self._trailing_writes] + [future for future, _ in self._reads_ahead.values()]
+        self._reads_ahead, self._trailing_writes = {}, []
+        failures = [error for error in (future.exception() for future in pending) if error is not None]
+        if failures and raise_failure:
+            raise failures[0]
 
     def _step_only(self, keep: set[int]) -> Any:
         with optimizer_takeover.narrowed_to(self.optimizer, keep):
@@ -532,6 +599,7 @@ class DiskOptimizerState:
 
     def _open(self, record: _Record) -> Tensor:
         """The host buffer holding ``record`` for entry reads and writes (one record at a time)."""
+        self._settle()
         if self._open_record is not record:
             self._close_open_record()
             if self._open_buffer is None:
@@ -583,6 +651,7 @@ class DiskOptimizerState:
     def materialise(self) -> None:
         """Read every record into fresh tensors in ``optimizer.state`` (a load of whole tensors copies into them;
         ``store`` undoes it)."""
+        self._settle()
         self._finish_deferred()
         for record in self.records:
             if not record.written:
@@ -602,6 +671,7 @@ class DiskOptimizerState:
     def store(self) -> None:
         """After a load: finish what it wrote through stand-ins, write whole state tensors now in
         ``optimizer.state`` to their records, and put placeholders back."""
+        self._settle()
         self._finish_deferred()
         for record in self.records:
             # A master the loaded state holds nothing for has no state now (sharded_state.py drops it), whatever the

@@ -281,12 +281,15 @@ def _reset_between_runs(config: _WorkerConfig, baseline_environment: dict[str, s
     _install_stack_dump_handler(config)
     _destroy_subgroups()
     _forget_meshes()
-    _reset_between_runs.count = getattr(_reset_between_runs, "count", 0) + 1  # type: ignore[attr-defined]
-    _collect_garbage(everything=_reset_between_runs.count % FULL_COLLECTION_EVERY == 0)  # type: ignore[attr-defined]
+    global _runs_reset
+    _runs_reset += 1
+    _collect_garbage(everything=_runs_reset % FULL_COLLECTION_EVERY == 0)
 
 
 # Every this many runs the collector also scans what earlier runs froze (see ``_collect_garbage``).
 FULL_COLLECTION_EVERY = 20
+#: Runs this worker has reset after.
+_runs_reset = 0
 
 
 def _forget_meshes() -> None:

@@ -170,18 +170,125 @@ def test_reads_queue_ahead_into_spare_staging_buffers_and_the_step_stays_exact(t
         "_step_only",
         lambda keep: events.append(("step", len([e for e in events if e[0] == "step"]))) or step_only(keep),
     )
-    _step_both_and_compare(state, reference_optimizer, params, reference, steps=3, before_each=events.clear)
-    # Before the first record steps, every buffer holds a read (none is being written yet); later records are read
-    # as writes free buffers: with more buffers, reads queue further ahead of the record being stepped.
+
+    def depths() -> list[int]:
+        """Per record stepped, how far beyond it the reads had got (the first ``slots`` records read ahead of the
+        step when no read shows before its first record)."""
+        return [
+            max((index for kind, index in events[:position] if kind == "read"), default=slots - 1) - stepped
+            for position, (kind, stepped) in enumerate(events)
+            if kind == "step"
+        ]
+
+    # Without reads ahead (the first step, which only writes, and any step after a checkpoint dropped them: settled
+    # here), every buffer is read into before the first record steps; later records are read as writes free buffers,
+    # further ahead with more buffers.
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=1)
+
+    def without_reads_ahead() -> None:
+        state._settle()
+        events.clear()
+
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=1, before_each=without_reads_ahead)
     first_step = events.index(("step", 0))
     assert events[:first_step] == [("read", index) for index in range(slots)]
-    reads_ahead = [
-        max(index for kind, index in events[:position] if kind == "read") - stepped
-        for position, (kind, stepped) in enumerate(events)
-        if kind == "step"
+    assert max(depths()) == slots - 1 and min(depths()[: len(params) - slots]) >= 1
+
+    # [Note: the step's I/O runs on]: the next step's first records were read during the time between steps; the
+    # step itself reads only the rest, and its first record steps at once.
+    def reads_ahead_done_then_clear() -> None:
+        assert sorted(state._reads_ahead) == list(range(slots))
+        for future, _ in state._reads_ahead.values():
+            future.result()
+        events.clear()
+
+    _step_both_and_compare(
+        state, reference_optimizer, params, reference, steps=2, before_each=reads_ahead_done_then_clear
+    )
+    assert events[0] == ("step", 0)
+    # (What follows the last record's step is the next step's reads ahead.)
+    within_the_step = events[: events.index(("step", len(params) - 1)) + 1]
+    assert [event for event in within_the_step if event[0] == "read"] == [
+        ("read", index) for index in range(slots, len(params))
     ]
-    assert max(reads_ahead) == slots - 1 and min(reads_ahead[: len(params) - slots]) >= 1
+    assert max(depths()) == slots - 1
     state.close()
+
+
+def _slow_writes(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every write on the I/O threads takes ``seconds`` longer, so a step's last writes are still running after it."""
+    transfer = TierFile._transfer
+
+    def slow(tier: TierFile, offset: int, buffer: torch.Tensor, writing: bool) -> None:
+        if writing:
+            time.sleep(seconds)
+        transfer(tier, offset, buffer, writing)
+
+    monkeypatch.setattr(TierFile, "_transfer", slow)
+
+
+def test_a_checkpoint_between_steps_sees_the_last_writes_and_a_load_replaces_the_reads_ahead(tmp_path, monkeypatch):
+    """[Note: the step's I/O runs on]: the last writes of a step are still running when a checkpoint reads the state
+    (it must wait for them), and a load that changes the state between steps must not be stepped over by reads
+    taken before it."""
+    _slow_writes(monkeypatch, 0.05)
+    torch.manual_seed(0)
+    params = [torch.randn(300 + index, requires_grad=True) for index in range(5)]
+    reference = [param.detach().clone().requires_grad_() for param in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    reference_optimizer = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.1)
+    state = open_disk_state(optimizer, [[param] for param in params], str(tmp_path), 0, torch.device("cpu"), "t")
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=2)
+    assert state._trailing_writes and not all(future.done() for future, _ in state._trailing_writes)
+    with state.materialised():  # what a checkpoint save reads, and a load of whole tensors writes
+        for param, twin in zip(params, reference, strict=True):
+            for key, value in reference_optimizer.state[twin].items():
+                assert torch.equal(optimizer.state[param][key], value), key
+            # A loaded checkpoint's state differs from what the records held: the next step must use it.
+            optimizer.state[param]["exp_avg"].mul_(0.5)
+            reference_optimizer.state[twin]["exp_avg"].mul_(0.5)
+    assert not state._reads_ahead
+    _step_both_and_compare(state, reference_optimizer, params, reference, steps=2)
+    # Entry by entry (a sharded checkpoint's stand-ins) between steps, while the last writes still run.
+    state.defer()
+    value = optimizer.state[params[3]]["exp_avg_sq"]
+    deferred = stand_ins.deferred_of(value)
+    assert deferred is not None
+    assert torch.equal(deferred.read(), reference_optimizer.state[reference[3]]["exp_avg_sq"])
+    state.release()
+    state.close()
+
+
+@pytest.mark.parametrize("noticed_by", ["next step", "checkpoint"])
+def test_a_last_write_that_fails_surfaces_in_the_next_step_or_checkpoint(tmp_path, monkeypatch, noticed_by):
+    """A step returns with its last writes running ([Note: the step's I/O runs on]); when one fails (the disk filled
+    up), the next step or a checkpoint between steps raises the error naming the directory, not stale values."""
+    torch.manual_seed(0)
+    params = [torch.randn(300 + index, requires_grad=True) for index in range(4)]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    state = open_disk_state(optimizer, [[param] for param in params], str(tmp_path), 0, torch.device("cpu"), "t")
+    last_record = state.records[-1].file_offset
+    transfer = TierFile._transfer
+
+    def last_record_fails(tier: TierFile, offset: int, buffer: torch.Tensor, writing: bool) -> None:
+        if writing and offset >= last_record:
+            time.sleep(0.05)  # still running when the step returns
+            raise files._explained(OSError(errno.ENOSPC, "No space left on device"), tier.path, "writing")
+        transfer(tier, offset, buffer, writing)
+
+    monkeypatch.setattr(TierFile, "_transfer", last_record_fails)
+    for param in params:
+        param.grad = torch.randn_like(param)
+    state.step()  # returns: the failing write is one of its last
+    with pytest.raises(DiskTierFull) as raised:
+        if noticed_by == "next step":
+            state.step()
+        else:
+            state.materialise()
+    assert str(tmp_path.resolve()) in str(raised.value)
+    directory = state.file.directory.path
+    state.close()  # nothing left to raise: the tier's state is gone with it
+    assert not directory.exists()
 
 
 def test_state_bytes_per_element_follow_the_optimizer():
