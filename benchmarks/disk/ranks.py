@@ -463,8 +463,25 @@ def engine_report(trainer: Trainer) -> dict[str, Any]:
     return figures
 
 
+def _keep_io_within_the_step() -> None:
+    """An experiment, not a setting: every step waits for its last writes and reads nothing ahead, as the tier did
+    before its I/O ran on into the forward and backward (before git fb3343f), to compare the two in one invocation."""
+    state_class = optimizer_state.DiskOptimizerState
+    step = state_class._step
+
+    def step_then_wait(state: optimizer_state.DiskOptimizerState, **kwargs: Any) -> Any:
+        output = step(state, **kwargs)
+        state._settle()
+        return output
+
+    state_class._read_ahead = lambda state: None  # type: ignore[method-assign]
+    state_class._step = step_then_wait  # type: ignore[method-assign]
+
+
 def speed(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the spec's GPT for warm-up + measured steps under its strategy, with the probe timing."""
+    if spec.get("io_within_step"):
+        _keep_io_within_the_step()
     profile = StepProfile()
     profile.install()
     if spec.get("staging_slots"):

@@ -76,6 +76,14 @@ CONFIGURATIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "offload_dir": "OFFLOAD_DIR",
         },
     ),
+    # gemini_disk with each step waiting for its own I/O, as before the tier's I/O ran on into the forward.
+    "gemini_disk_step_waits": (
+        "colossal_gemini",
+        {
+            "placement": {"kind": "static", "offload_optim_frac": 1.0, "disk_fraction": 1.0},
+            "offload_dir": "OFFLOAD_DIR",
+        },
+    ),
     "zero2_disk": (
         "colossal_zero2",
         {"cpu_offload": True, "disk_fraction": 1.0, "offload_dir": "OFFLOAD_DIR", "bucket_size_mb": 25.0},
@@ -246,6 +254,7 @@ def speed_spec(arguments: argparse.Namespace, label: str, offload_dir: Path) -> 
         init_args["chunk_numel"] = arguments.chunk_numel
     return {
         "staging_slots": 6 if label == "gemini_disk_6_slots" else None,
+        "io_within_step": label == "gemini_disk_step_waits",
         "task": "speed",
         "label": label,
         "strategy": strategy,
