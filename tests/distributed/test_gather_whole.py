@@ -65,3 +65,48 @@ def test_four_ranks_gather_every_tensor_exactly(rank_pool_4, native, bucket_byte
 def test_two_ranks(rank_pool_2):
     for result in rank_pool_2.run(gather_body, False, 1 << 20):
         assert all(result["exact"]) and result["separate_storage"]
+
+
+def exchange_count_body(native: bool) -> dict[str, int]:
+    """How many exchanges gathering 40 sharded tensors whole takes (one bucket)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_colossal.distributed import collectives
+    from lightning_colossal.distributed.mesh import named_device_mesh
+    from lightning_colossal.fsdp import full_tensors, whole
+
+    mesh = named_device_mesh("cpu", (dist.get_world_size(),), ("dp",))
+    given = [distribute_tensor(torch.full((5, 3), float(index)), mesh, [Shard(0)]) for index in range(40)]
+    counts = {"sizes": 0, "exchanges": 0}
+    originals = {
+        name: getattr(collectives, name) for name in ("all_gather_tensor", "all_gather_into", "all_gather_pieces_async")
+    }
+
+    def counted(name: str, key: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    whole.collectives.all_gather_tensor = counted("all_gather_tensor", "sizes")  # type: ignore[attr-defined]
+    whole.collectives.all_gather_into = counted("all_gather_into", "exchanges")  # type: ignore[attr-defined]
+    whole.collectives.all_gather_pieces_async = counted("all_gather_pieces_async", "exchanges")  # type: ignore[attr-defined]
+    try:
+        if native:
+            with collectives.native_route():
+                gathered = full_tensors(given)
+        else:
+            gathered = full_tensors(given)
+    finally:
+        for name, original in originals.items():
+            setattr(collectives, name, original)
+    assert all(torch.equal(value, torch.full((5, 3), float(index))) for index, value in enumerate(gathered))
+    return counts
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["point-to-point", "native"])
+def test_many_tensors_take_one_exchange_not_one_each(rank_pool_2, native):
+    """The point of ``full_tensors``: giving the module back cost 1 s in one all-gather per tensor."""
+    for counts in rank_pool_2.run(exchange_count_body, native):
+        assert counts == {"sizes": 1, "exchanges": 1}
