@@ -388,16 +388,12 @@ class DiskOptimizerState:
             self._slots = [
                 aligned_buffer(self.slot_bytes, self.beside) for _ in range(min(STAGING_SLOTS, len(self.records)))
             ]
-        # The last step's reads ahead own their buffers; its writes still running give theirs back when done. A write
-        # whose buffer a read ahead took is that read's gate: its failure comes back through the read.
+        # The last step's reads ahead own every buffer they took and start only after all its last writes (their
+        # gate), so those writes need no wait of their own: a failed one comes back through the reads.
         reads: dict[int, tuple[Future[None] | None, Tensor]] = dict(self._reads_ahead)
         taken = {id(slot) for _, slot in reads.values()}
-        writes: deque[tuple[Future[None], Tensor]] = deque(
-            (future, slot) for future, slot in self._trailing_writes if id(slot) not in taken
-        )
-        slots: deque[Tensor] = deque(
-            slot for slot in self._slots if id(slot) not in taken and all(slot is not held for _, held in writes)
-        )
+        slots: deque[Tensor] = deque(slot for slot in self._slots if id(slot) not in taken)
+        writes: deque[tuple[Future[None], Tensor]] = deque()
         self._reads_ahead, self._trailing_writes = {}, []
         next_read = len(reads)
 

@@ -28,6 +28,7 @@ from lightning_colossal.distributed import collectives
 BUCKET_BYTES = 256 * 1024 * 1024
 
 
+@torch.no_grad()
 def full_tensor(tensor: Tensor) -> Tensor:
     """The whole value of a DTensor (a collective over its mesh); other tensors are returned unchanged."""
     if not isinstance(tensor, DTensor):
@@ -35,6 +36,7 @@ def full_tensor(tensor: Tensor) -> Tensor:
     return _on_mesh_device(tensor).full_tensor()
 
 
+@torch.no_grad()
 def full_tensors(
     tensors: Sequence[Tensor], device: torch.device | None = None, bucket_bytes: int = BUCKET_BYTES
 ) -> list[Tensor]:

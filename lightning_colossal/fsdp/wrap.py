@@ -241,7 +241,6 @@ def unshard_model(module: nn.Module, device: torch.device) -> dict[int, nn.Param
     return replaced
 
 
-@torch.no_grad()
 def parameter_groups(state: Any) -> list[Any]:
     """The FSDP parameter groups of a unit's state, under the attribute of whichever torch is installed."""
     groups = getattr(state, "_fsdp_param_groups", None)

@@ -64,9 +64,8 @@ def point_optimizer_at(
                 new_entry = new_state[plain] = {}
                 gathered += [(new_entry, key, entry[key]) for key in sorted(entry)]
         group["params"] = new_parameters
-    values = [value for _, _, value in gathered]
-    whole = full_tensors([value for value in values if isinstance(value, Tensor)], device)[::-1]
-    for (new_entry, key, _), value in zip(gathered, values, strict=True):
-        new_entry[key] = whole.pop() if isinstance(value, Tensor) else value
+    whole = iter(full_tensors([value for _, _, value in gathered if isinstance(value, Tensor)], device))
+    for new_entry, key, value in gathered:
+        new_entry[key] = next(whole) if isinstance(value, Tensor) else value
     old_state.clear()
     old_state.update(new_state)
