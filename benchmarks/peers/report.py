@@ -153,6 +153,7 @@ def _summarize_configuration(
     by_repeat: dict[int, float],
     ratios: list[float],
     tokens_per_step: int,
+    spans: list[dict[str, float]],
     fit_ratios: list[float],
 ) -> ConfigurationSummary:
     """One configuration's figures from its accepted runs (in repeat order) and their step times by repeat."""
@@ -169,7 +170,6 @@ def _summarize_configuration(
     loads = [run["other_load"] for run in own_runs if run["other_load"] is not None]
     first = own_runs[0]
     data_parallel_size = first["ranks"][0].get("data_parallel_size", world_size)
-    spans = [span for span in (_fit_spans(run) for run in own_runs) if span is not None]
     return ConfigurationSummary(
         label=label,
         strategy=configuration["strategy"],
@@ -214,11 +214,12 @@ def summarize_configurations(
     """
     accepted = [run for run in runs if run["status"] in ACCEPTED_STATUSES]
     step_times = _step_times_by_label(accepted, statistic)
-    fit_seconds: dict[str, dict[int, float]] = {}
+    spans: dict[str, dict[int, dict[str, float]]] = {}  # by label and repeat, for the runs that recorded them
     for run in accepted:
         span = _fit_spans(run)
         if span is not None:
-            fit_seconds.setdefault(run["label"], {})[run["repeat"]] = span["fit"]
+            spans.setdefault(run["label"], {})[run["repeat"]] = span
+    fit_seconds = {label: {repeat: span["fit"] for repeat, span in by.items()} for label, by in spans.items()}
     summaries = []
     for configuration in configurations:
         label = configuration["label"]
@@ -231,7 +232,15 @@ def summarize_configurations(
             paired_ratios(fit_seconds.get(label, {}), fit_seconds.get(peer, {})) if peer and label != peer else []
         )
         summaries.append(
-            _summarize_configuration(configuration, own_runs, by_repeat, ratios, tokens_per_step, fit_ratios)
+            _summarize_configuration(
+                configuration,
+                own_runs,
+                by_repeat,
+                ratios,
+                tokens_per_step,
+                list(spans.get(label, {}).values()),
+                fit_ratios,
+            )
         )
     return summaries
 
