@@ -1,13 +1,16 @@
 """The body of one checkpoint-stall rank: ``python -m benchmarks.checkpoint_stall.ranks --spec run.json``.
 
 ``benchmarks.checkpoint_stall`` starts one of these per rank (``benchmarks.harness.launch.launch_ranks``). Each rank
-trains the spec's GPT under ``colossal_zero2``: ``warmup`` steps, then intervals of ``interval`` steps, three per
-cycle, one in each mode of the cycle's order (the spec's, the same on every rank):
+trains the spec's GPT under ``colossal_zero2``: ``warmup`` steps, then intervals of ``interval`` steps, one per
+mode in each one in each mode of the cycle's order (the spec's, the same on every rank):
 
 - ``none``: no save;
 - ``sync``: ``trainer.save_checkpoint`` at the interval's start with ``strategy.async_checkpoint = False``;
 - ``async``: the same with ``async_checkpoint = True``; at the interval's end the rank waits for the background save
   (``checkpoint/async_save.py``), so whatever of the write did not overlap with the interval's steps counts in it.
+  Its shard files are written by the writer process (``checkpoint/writer_process.py``);
+- ``async_thread``: the same, with the shard files written on the background thread as before the writer process
+  existed (its ``start`` answers ``None`` for that save), for a comparison in the same run.
 
 An interval's time runs from its start (before the save call) to the end of its last step (after that wait). Every
 save goes into the same path, as ``ModelCheckpoint(save_last=True)`` saves. The rank writes ``rank<RANK>.json``:
@@ -32,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks.harness.machine import read_cpu_times
 from benchmarks.harness.workload import BenchmarkModule, build_strategy, parameter_count, train_on_cpu
-from lightning_colossal.checkpoint import async_save, sharded
+from lightning_colossal.checkpoint import async_save, sharded, writer_process
 from lightning_colossal.checkpoint.huggingface import describe_huggingface_model
 from lightning_colossal.demo.data import RandomTokenDataset
 from lightning_colossal.demo.model import GPTConfig
@@ -63,13 +66,19 @@ class Intervals(Callback):
     def _open(self, trainer: Any, mode: str, start: float) -> None:
         record: dict[str, Any] = {"mode": mode, "start": start}
         if mode != "none":
-            trainer.strategy.async_checkpoint = mode == "async"
-            trainer.save_checkpoint(self.path)
+            trainer.strategy.async_checkpoint = mode != "sync"
+            start_writer = writer_process.start
+            if mode == "async_thread":
+                writer_process.start = lambda: None  # type: ignore[assignment]
+            try:
+                trainer.save_checkpoint(self.path)
+            finally:
+                writer_process.start = start_writer  # type: ignore[assignment]
             record["save_call_seconds"] = time.perf_counter() - start
         self.records.append(record)
 
     def _close(self, record: dict[str, Any]) -> None:
-        if record["mode"] == "async":
+        if record["mode"] in ("async", "async_thread"):
             start = time.perf_counter()
             async_save.wait_for_background_save()
             record["end_wait_seconds"] = time.perf_counter() - start

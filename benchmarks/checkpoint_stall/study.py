@@ -2,15 +2,17 @@
 
 ``python -m benchmarks.checkpoint_stall`` trains the demo GPT under ``colossal_zero2`` on ``--world-size`` gloo ranks
 (``benchmarks.checkpoint_stall.ranks``, launched as every study launches its ranks). After ``--warmup`` steps a run is
-``--cycles`` cycles of three intervals of ``--interval`` steps, one per mode, in a seeded random order per cycle:
-``none`` (no save), ``sync`` (a synchronous save at the interval's start) and ``async`` (a background save at its
-start, waited for at its end, so a write that outlasts the interval counts in full). Every save goes into one path.
+``--cycles`` cycles of four intervals of ``--interval`` steps, one per mode, in a seeded random order per cycle:
+``none`` (no save), ``sync`` (a synchronous save at the interval's start), ``async`` (a background save at its
+start, its shard files written by the writer process, waited for at its end, so a write that outlasts the interval
+counts in full) and ``async_thread`` (the same, written on the background thread: the route before the writer
+process, and the one taken where shared memory is short). Every save goes into one path.
 An interval's time is the slowest rank's, from before the save call to the end of its last step: everything a save
 costs the training thread counts, the time inside ``save_checkpoint``, the background thread's competition for the
 cores and the wait for the write. Per cycle, a mode's stall is its interval's time less the ``none`` interval's of
 the same cycle: the pairing within a cycle cancels the drift of a shared machine's load, which moves step times by
 more than a save costs. The report gives the median and range over every cycle of every run, the per-run medians,
-and the ratio of the async to the sync median; the time each ``save_checkpoint`` call blocked and each background
+and the ratio of each async mode's median to the sync median; the time each ``save_checkpoint`` call blocked and each background
 write's duration are reported beside them.
 
 The load rule is the peers study's (``benchmarks/harness/machine.py`` [Note: measuring other processes' load]): a
@@ -37,7 +39,8 @@ from benchmarks.harness.launch import REPOSITORY_ROOT, RunFailed, launch_ranks, 
 from benchmarks.harness.machine import cpu_description, git_revision, software_versions
 from benchmarks.harness.measure import summarize
 
-MODES = ("none", "sync", "async")
+MODES = ("none", "sync", "async", "async_thread")
+SAVING_MODES = MODES[1:]
 
 
 # ---------------------------------------------------------------------------------------------------------- runs
@@ -83,7 +86,8 @@ def run_repeat(arguments: argparse.Namespace, repeat: int, orders: list[list[str
         stalls = cycle_stalls(outcome)
         print(
             f"  repeat {repeat} attempt {attempt}: median stall sync {statistics.median(stalls['sync']):.3f} s,"
-            f" async {statistics.median(stalls['async']):.3f} s; other load {outcome['other_load']}",
+            f" async {statistics.median(stalls['async']):.3f} s, async on the thread"
+            f" {statistics.median(stalls['async_thread']):.3f} s; other load {outcome['other_load']}",
             flush=True,
         )
         if outcome["other_load"] is None or outcome["other_load"] <= arguments.max_load:
@@ -103,9 +107,9 @@ def interval_seconds(outcome: dict[str, Any]) -> list[tuple[str, float]]:
 
 
 def cycle_stalls(outcome: dict[str, Any]) -> dict[str, list[float]]:
-    """Per cycle, ``sync`` and ``async``: the mode's interval less the cycle's ``none`` interval, in seconds."""
+    """Per cycle, every saving mode: the mode's interval less the cycle's ``none`` interval, in seconds."""
     intervals = interval_seconds(outcome)
-    stalls: dict[str, list[float]] = {"sync": [], "async": []}
+    stalls: dict[str, list[float]] = {mode: [] for mode in SAVING_MODES}
     for first in range(0, len(intervals), len(MODES)):
         cycle = dict(intervals[first : first + len(MODES)])
         for mode in stalls:
@@ -155,33 +159,39 @@ def markdown(results: dict[str, Any]) -> str:
         f"Workload: demo GPT `{arguments['model_config']}` ({first['parameter_count']:,} parameters) under"
         f" `colossal_zero2` on {arguments['world_size']} gloo ranks, {arguments['batch_size_per_rank']} x"
         f" {arguments['sequence_length']} tokens per rank, fp32 AdamW; {arguments['warmup']} warm-up steps, then"
-        f" {arguments['cycles']} cycles of 3 intervals of {arguments['interval']} steps per run; {len(repeats)} runs;"
+        f" {arguments['cycles']} cycles of {len(MODES)} intervals of {arguments['interval']} steps per run; {len(repeats)} runs;"
         f" checkpoint on disk {first['checkpoint_bytes'] / 2**20:.0f} MiB. Other load during the runs:"
         f" {_range(loads, 2)} cores.",
         "",
-        "| | sync | async |",
-        "| --- | --- | --- |",
-        f"| stall per save s, every cycle: median [min to max] | {_range(pooled_stalls(repeats, 'sync'))} |"
-        f" {_range(pooled_stalls(repeats, 'async'))} |",
-        f"| stall per save s, per-run medians | {_range(per_run_medians(repeats, 'sync'))} |"
-        f" {_range(per_run_medians(repeats, 'async'))} |",
-        f"| blocked in `save_checkpoint` s | {_range(interval_figures(repeats, 'sync', 'save_call_seconds'))} |"
-        f" {_range(interval_figures(repeats, 'async', 'save_call_seconds'))} |",
-        f"| background write s | - | {_range(background)} |",
-        f"| wait at the interval's end s | - | {_range(interval_figures(repeats, 'async', 'end_wait_seconds'))} |",
+        "| | sync | async (writer process) | async (thread) |",
+        "| --- | --- | --- | --- |",
+        "| stall per save s, every cycle: median [min to max] |"
+        + " |".join(f" {_range(pooled_stalls(repeats, mode))}" for mode in SAVING_MODES)
+        + " |",
+        "| stall per save s, per-run medians |"
+        + " |".join(f" {_range(per_run_medians(repeats, mode))}" for mode in SAVING_MODES)
+        + " |",
+        "| blocked in `save_checkpoint` s |"
+        + " |".join(f" {_range(interval_figures(repeats, mode, 'save_call_seconds'))}" for mode in SAVING_MODES)
+        + " |",
+        f"| background write s (either async mode) | - | {_range(background)} | |",
+        "| wait at the interval's end s | - |"
+        + " |".join(f" {_range(interval_figures(repeats, mode, 'end_wait_seconds'))}" for mode in SAVING_MODES[1:])
+        + " |",
         "",
         f"`none` interval s: {_range([seconds for repeat in repeats for mode, seconds in interval_seconds(repeat['accepted']) if mode == 'none'], 2)}.",
     ]
-    sync, background_stall = pooled_stalls(repeats, "sync"), pooled_stalls(repeats, "async")
-    run_ratios = [
-        ours / theirs
-        for ours, theirs in zip(per_run_medians(repeats, "async"), per_run_medians(repeats, "sync"), strict=True)
-        if theirs > 0
-    ]
-    lines.append(
-        f"Async / sync median stall: {statistics.median(background_stall) / statistics.median(sync):.3f} over every"
-        f" cycle; per run {_range(run_ratios)}."
-    )
+    sync = pooled_stalls(repeats, "sync")
+    for mode, name in (("async", "Async (writer process)"), ("async_thread", "Async (thread)")):
+        run_ratios = [
+            ours / theirs
+            for ours, theirs in zip(per_run_medians(repeats, mode), per_run_medians(repeats, "sync"), strict=True)
+            if theirs > 0
+        ]
+        lines.append(
+            f"{name} / sync median stall: {statistics.median(pooled_stalls(repeats, mode)) / statistics.median(sync):.3f}"
+            f" over every cycle; per run {_range(run_ratios)}."
+        )
     return "\n".join(lines)
 
 
@@ -194,7 +204,9 @@ DEFAULT_MODEL = (
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cycles", type=int, default=4, help="cycles of (none, sync, async) intervals per run")
+    parser.add_argument(
+        "--cycles", type=int, default=4, help="cycles of (none, sync, async, async_thread) intervals per run"
+    )
     parser.add_argument("--interval", type=int, default=5, help="steps per interval")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps before the first interval")
     parser.add_argument("--model-config", default=DEFAULT_MODEL, help="GPTConfig fields as JSON")
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "repeats": repeats,
     }
-    results["summary"] = {mode: statistics.median(pooled_stalls(repeats, mode)) for mode in ("sync", "async")}
+    results["summary"] = {mode: statistics.median(pooled_stalls(repeats, mode)) for mode in SAVING_MODES}
     arguments.output.parent.mkdir(parents=True, exist_ok=True)
     arguments.output.write_text(json.dumps(results, indent=2))
     print(markdown(results))

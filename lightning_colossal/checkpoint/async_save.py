@@ -46,9 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
-from lightning_colossal.checkpoint import sharded
+from lightning_colossal.checkpoint import sharded, writer_process
 from lightning_colossal.checkpoint.format import CheckpointDescription
 from lightning_colossal.distributed import collectives, device, group_cache
 from lightning_colossal.distributed.in_flight import Collective
@@ -71,15 +72,18 @@ class BackgroundSaveError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------------ staging
-def stage(state: Any) -> Any:
+def stage(state: Any, host_buffer: Callable[[int, torch.dtype, torch.device], Tensor] = device.host_buffer) -> Any:
     """A copy of the nested ``state`` (dicts, lists, tuples) whose every tensor is a new host tensor with the same
     values, ready to be read on any thread; ``DTensor``s stay ``DTensor``s of the same sharding around a host copy of
-    their local piece. Other values are deep-copied. Returns once every copy has landed."""
+    their local piece. Other values are deep-copied. Returns once every copy has landed.
+
+    ``host_buffer(numel, dtype, beside)`` allocates each copy (shared memory for the writer process,
+    ``writer_process.SharedStaging``)."""
     pairs: list[tuple[Tensor, Tensor]] = []
     copies: dict[int, Any] = {}  # by id of the source: a tensor saved under two names is copied once
 
     def host_copy(tensor: Tensor) -> Tensor:
-        target = device.host_buffer(tensor.numel(), tensor.dtype, beside=tensor.device).view(tensor.shape)
+        target = host_buffer(tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
         pairs.append((target, tensor))
         return target
 
@@ -110,7 +114,29 @@ def stage(state: Any) -> Any:
     with torch.no_grad():
         staged = walk(state)
         device.copy_all(pairs)  # one wait for every copy from a device
+    # ``walk`` refers to itself through its closure cell, a cycle only the garbage collector frees, and with it
+    # ``copies`` (every staged copy) and the allocator: cut, the copies go when the save lets go of them.
+    walk = None  # type: ignore[assignment]  # noqa: F841
     return staged
+
+
+def staged_bytes(state: Any) -> int:
+    """Bytes ``stage`` copies of ``state``: every tensor once, stand-ins at their value's size."""
+    sizes: dict[int, int] = {}
+
+    def walk(value: Any) -> None:
+        if isinstance(value, Tensor):
+            piece = value.to_local() if isinstance(value, DTensor) else value
+            sizes[id(value)] = piece.numel() * piece.element_size()
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    return sum(sizes.values())
 
 
 # ------------------------------------------------------------------------------------------------------ the group
@@ -127,6 +153,14 @@ def background_group(timeout: timedelta) -> ProcessGroup | None:
         )
     group_cache.set_group_timeout(group, timeout)
     return group
+
+
+def prepare_background_saves(timeout: timedelta) -> None:
+    """Make what background saves use before the first one needs it: their process group (a collective of every
+    rank) and the writer process, whose imports then overlap training ([Note: a writer process for background
+    saves])."""
+    background_group(timeout)
+    writer_process.start()
 
 
 # ------------------------------------------------------------------------------------------------------ the save
@@ -196,8 +230,11 @@ def save_in_background(
     metadata: dict[str, Any],
     description: CheckpointDescription | None,
     timeout: timedelta,
+    ranks_per_node: int = 1,
 ) -> BackgroundSave:
-    """Stage this rank's part of a checkpoint now and write it (``sharded.save_sharded``) on a background thread.
+    """Stage this rank's part of a checkpoint now and write it (``sharded.save_sharded``) on a background thread,
+    its shard files by the writer process where shared memory has room for the staged copies of the node's
+    ``ranks_per_node`` ranks ([Note: a writer process for background saves]).
 
     Every rank calls this together, as for ``save_sharded``. A save still in flight is waited for first (its error
     is raised here). Returns the save; ``wait_for_background_save`` waits for it.
@@ -205,12 +242,25 @@ def save_in_background(
     global _in_flight
     wait_for_background_save()
     group = background_group(timeout)
-    staged_tensors = stage(tensor_state)
+    process = writer_process.start() if writer_process.room_for(staged_bytes(tensor_state), ranks_per_node) else None
+    staging = writer_process.staging() if process is not None else None
+    staged_tensors = stage(tensor_state, staging.host_buffer) if staging is not None else stage(tensor_state)
     # Lightning's entries hold references to live objects (a callback's dict of best checkpoints, schedulers' lists).
     staged_metadata = copy.deepcopy(metadata)
 
+    def shard_writer(directory: str) -> FileSystemWriter:
+        assert process is not None and staging is not None
+        return writer_process.ProcessShardWriter(directory, process, staging)
+
     def write() -> None:
-        sharded.save_sharded(path, staged_tensors, staged_metadata, group=group, description=description)
+        sharded.save_sharded(
+            path,
+            staged_tensors,
+            staged_metadata,
+            group=group,
+            description=description,
+            storage_writer=shard_writer if process is not None else None,
+        )
 
     _in_flight = BackgroundSave(path, write).start()
     return _in_flight
@@ -235,6 +285,15 @@ def wait_for_background_save() -> None:
     _in_flight = None
     if pending.error is not None:
         raise BackgroundSaveError(pending.path, pending.error) from pending.error
+
+
+def finish_background_saves() -> None:
+    """Wait for the save in flight (raising its error, as ``wait_for_background_save``) and free the staging
+    buffers kept for the next one: the end of a fit."""
+    try:
+        wait_for_background_save()
+    finally:
+        writer_process.release_staging()
 
 
 def remove_after_background_save(remove: Callable[[], None]) -> None:

@@ -18,7 +18,7 @@ import os
 import pickle
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter, StorageWriter
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -57,6 +57,7 @@ def save_sharded(
     metadata: dict[str, Any],
     group: ProcessGroup | None = None,
     description: CheckpointDescription | None = None,
+    storage_writer: Callable[[str], StorageWriter] | None = None,
 ) -> None:
     """Write the checkpoint ``path`` and its shards atomically; every rank of ``group`` must call this.
 
@@ -66,6 +67,8 @@ def save_sharded(
         metadata: Lightning's non-tensor entries; only rank 0's copy is written.
         group: the ranks that share the checkpoint (the default group when ``None``).
         description: what the file records about the save (the one already in ``metadata``, if any, when ``None``).
+        storage_writer: makes DCP's writer for the shards' directory (a background save's writer process,
+            ``writer_process.ProcessShardWriter``); DCP's file writer when ``None``.
     """
     entry = Path(path).absolute()
     root = shards_root(entry)
@@ -86,7 +89,12 @@ def save_sharded(
     committed = False
     try:
         # One file per rank, written item by item: stand-ins are read as DCP reaches them ([Note: deferred tensors]).
-        writer = deferred_save_writer(str(staging)) if has_stand_ins() else FileSystemWriter(staging)
+        if storage_writer is not None:
+            writer = storage_writer(str(staging))
+        elif has_stand_ins():
+            writer = deferred_save_writer(str(staging))
+        else:
+            writer = FileSystemWriter(staging)
         dcp.save(tensor_state, storage_writer=writer, planner=DeferredSavePlanner(), process_group=group)
         if is_committer:
             os.replace(staging, shards)

@@ -157,7 +157,9 @@ class CheckpointingMixin(ProcessGroupMixin):
             ),
         )
         if self.saves_in_background():
-            async_save.save_in_background(path, tensors.to_state(), checkpoint, description, self._timeout)
+            async_save.save_in_background(
+                path, tensors.to_state(), checkpoint, description, self._timeout, ranks_per_node=self.num_processes
+            )
         else:
             save_sharded(path, tensors.to_state(), checkpoint, description=description)
 
@@ -171,11 +173,11 @@ class CheckpointingMixin(ProcessGroupMixin):
         self._in_fit_loop = True
         if self.saves_in_background():
             # Made here rather than at the first save, which would wait for it (a collective of every rank).
-            async_save.background_group(self._timeout)
+            async_save.prepare_background_saves(self._timeout)
 
     def on_train_end(self) -> None:
         self._in_fit_loop = False
-        async_save.wait_for_background_save()  # the fit's last save is complete when fit returns, or its error raised
+        async_save.finish_background_saves()  # the fit's last save is complete when fit returns, or its error raised
         super().on_train_end()
 
     def _finish_background_save(self, failure: BaseException | None) -> BaseException | None:
@@ -183,7 +185,7 @@ class CheckpointingMixin(ProcessGroupMixin):
         (``failure``), added to that run's error as a note."""
         self._in_fit_loop = False
         try:
-            async_save.wait_for_background_save()
+            async_save.finish_background_saves()
         except async_save.BackgroundSaveError as error:
             if failure is None:
                 return error

@@ -6,6 +6,7 @@ it runs on the background thread, after the save was staged and planned, before 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from lightning_colossal import ColossalDDPStrategy, ColossalFSDPStrategy, Gemini
 from lightning_colossal.checkpoint import async_save
 from lightning_colossal.checkpoint.layout import leftovers_of_interrupted_save, locate_checkpoint, shards_root
 from lightning_colossal.checkpoint.sharded import load_file_weights, read_sharded, remove_checkpoint, save_sharded
+from lightning_colossal.checkpoint.writer_process import ProcessShardWriter
 from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO2, StrategySpec, build_strategy, fit_epochs
 from tests.distributed.oracle import float_state, new_module, quiet_trainer
 from tests.fresh_interpreter import run_python
@@ -33,18 +35,29 @@ from tests.fresh_interpreter import run_python
 @contextmanager
 def writer_patched(before_write: Callable[..., None], with_writer: bool = False) -> Iterator[None]:
     """Every DCP shard write of this process calls ``before_write()`` first (``before_write(writer)`` with
-    ``with_writer``), on the thread that writes."""
-    original = FileSystemWriter.write_data
+    ``with_writer``), on the thread that writes: DCP's own writer's and the one that hands the shards to the writer
+    process (before it does)."""
+    classes = (FileSystemWriter, ProcessShardWriter)
+    own = {cls: cls.__dict__.get("write_data") for cls in classes}  # None: inherited, deleted again afterwards
+    originals = {cls: cls.write_data for cls in classes}
 
-    def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
-        before_write(*((self,) if with_writer else ()))
-        return original(self, plan, planner)
+    def patched(original: Callable[..., Any]) -> Callable[..., Any]:
+        def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+            before_write(*((self,) if with_writer else ()))
+            return original(self, plan, planner)
 
-    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+        return write_data
+
+    for cls, original in originals.items():
+        cls.write_data = patched(original)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        FileSystemWriter.write_data = original  # type: ignore[method-assign]
+        for cls, defined in own.items():
+            if defined is None:
+                del cls.write_data
+            else:
+                cls.write_data = defined  # type: ignore[method-assign]
 
 
 class Gate:
@@ -393,33 +406,72 @@ from datetime import timedelta
 from pathlib import Path
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from lightning_colossal.checkpoint import async_save
+from lightning_colossal.checkpoint import async_save, writer_process
 from lightning_colossal.checkpoint.sharded import save_sharded
 
-path = Path(sys.argv[1])
+path, route = Path(sys.argv[1]), sys.argv[2]
 save_sharded(path, {"model": {"weight": torch.zeros(64, 64)}}, {"epoch": 0})
 writing = threading.Event()
-original = FileSystemWriter.write_data
 
-def write_then_stall(self, plan, planner):
+def stall():
     writing.set()
     threading.Event().wait()  # the process is killed here, mid-save
 
-FileSystemWriter.write_data = write_then_stall
+if route == "thread":
+    writer_process.start = lambda: None  # no writer process: the background thread writes the shards
+
+    def write_then_stall(self, plan, planner):
+        stall()
+
+    FileSystemWriter.write_data = write_then_stall
+else:
+
+    def hand_over_then_stall(self, job):
+        self.wait_until_ready()
+        self._jobs.send(job)
+        assert self._receive()[0] == "done"  # the writer process wrote the shards; this process dies before the commit
+        print(f"WRITER PROCESS {self.pid}", flush=True)
+        stall()
+
+    writer_process.WriterProcess.write = hand_over_then_stall
 async_save.save_in_background(path, {"model": {"weight": torch.ones(64, 64)}}, {"epoch": 1}, None, timedelta(seconds=60))
 writing.wait(60)
+print(f"TRAINING PROCESS {os.getpid()}", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def test_a_process_killed_during_a_background_save_keeps_the_previous_checkpoint(tmp_path):
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` has ended (and been reaped by whoever adopted it) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True  # ended; its adopter has not reaped it yet
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("route", ["thread", "process"])
+def test_a_process_killed_during_a_background_save_keeps_the_previous_checkpoint(tmp_path, route):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     path = tmp_path / "last.ckpt"
-    result = run_python([str(script), str(path)], tmp_path, timeout=120)
+    result = run_python([str(script), str(path), route], tmp_path, timeout=120)
     assert result.returncode == -9, result.stderr[-3000:]
     assert torch.equal(load_file_weights(locate_checkpoint(path))["weight"], torch.zeros(64, 64))
     assert torch.equal(read_sharded(path)["model"]["weight"], torch.zeros(64, 64))
+    if route == "process":
+        pids = dict(line.rsplit(" ", 1) for line in result.stdout.splitlines() if " PROCESS " in line)
+        assert _gone(int(pids["WRITER PROCESS"]), timeout=30), "the writer process outlived the training process"
+        training = pids["TRAINING PROCESS"]
+        deadline = time.monotonic() + 30
+        while any(name.startswith(f"torch_{training}_") for name in os.listdir("/dev/shm")):
+            assert time.monotonic() < deadline, "the staged copies' shared memory outlived both processes"
+            time.sleep(0.1)
 
 
 # --------------------------------------------------------------------------------- staging and the argument

@@ -1,0 +1,360 @@
+"""A process of its own that writes background saves' shard files, from copies staged in shared host memory.
+
+[Note: a writer process for background saves]
+A background save written on a thread shares the training process's GIL. DCP serialises every item with
+``torch.save`` (pickling, a checksum over every byte), which holds the GIL in long stretches, and the training
+thread, Python between its kernels, waits meanwhile even where a core is idle. Measured on a 2-core machine with one
+core free (benchmarks/RESULTS.md, "Checkpoint stall"): the same save written from a thread cost the training loop
+several times what it cost written from a process. So each training process keeps one writer process
+(``writer_child.py``), and a background save hands it the bulk of the work, this rank's shard files (DCP's
+``write_data``). The rest stays on the background thread: planning and the exchange of write results are
+collectives on the background save's group, and rank 0's checkpoint file holds Lightning's entries, which may hold
+objects only the training process can unpickle (classes defined in a notebook).
+
+The staged copies live in shared memory (torch's file-system sharing: files under ``/dev/shm``, removed when both
+processes have let go of them, and by torch's shared-memory manager when the training process ends, killed or not).
+Copies from an accelerator are staged in pinned memory as before (fast device-to-host copies) and copied into shared
+memory on the background thread. A save whose staged bytes, times the ranks of the node, exceed ``/dev/shm``'s free
+space is written on the thread as before, with a warning once that names the fix: a tmpfs filled while it is written
+would kill the process (``SIGBUS``) rather than fail the save.
+
+The writer process starts when a fit that saves in the background starts (its imports take seconds; they overlap
+training) and serves every later save of the process. It ends when the training process closes its pipe or dies. A
+writer process that died fails the save it was writing like any failed write (the previous checkpoint stays,
+``atomic.py`` [Note: atomic save]), and the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.futures import Future
+
+from lightning_colossal.checkpoint import writer_child
+from lightning_colossal.checkpoint.writer_child import SharedTensor
+from lightning_colossal.distributed import device
+
+SHARED_MEMORY = Path("/dev/shm")
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+class WriterProcessFailed(RuntimeError):
+    """The writer process failed to write a save's shards, or ended while writing them."""
+
+
+class WriterProcessEnded(WriterProcessFailed):
+    """The writer process ended (killed, out of memory) before it answered."""
+
+
+# ------------------------------------------------------------------------------------------------------ memory
+def shared_memory_free_bytes() -> int | None:
+    """Free bytes of the tmpfs that shared host memory comes from; ``None`` where there is none (not Linux)."""
+    try:
+        stats = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+class SharedBuffers:
+    """Shared-memory storages reused from one background save to the next.
+
+    A fresh storage costs a page fault per page in this process when staged into and in the writer process when
+    read (0.4 s of a 27M-parameter GPT's 0.45 s of staging here), where reused ones cost only the copy. Each save
+    takes the storages of the sizes it needs from those the previous save used (``take``) and, once written, keeps
+    exactly its own (``keep_only``): the pool holds one save's staged bytes between saves, as the thread route's
+    allocator kept its freed heap, until ``clear`` at the end of the fit."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._handles: dict[int, tuple[bytes, bytes, int]] = {}  # by storage address
+
+    def take(self, size: int) -> torch.UntypedStorage:
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        storage = torch.UntypedStorage._new_using_filename_cpu(size)
+        self._handles[storage.data_ptr()] = storage._share_filename_cpu_()
+        return storage
+
+    def handle(self, storage: torch.UntypedStorage) -> tuple[bytes, bytes, int] | None:
+        return self._handles.get(storage.data_ptr())
+
+    def keep_only(self, storages: list[torch.UntypedStorage]) -> None:
+        """Keep ``storages`` for the next save and free every other one."""
+        self._free = {}
+        for storage in storages:
+            self._free.setdefault(storage.nbytes(), []).append(storage)
+        kept = {storage.data_ptr() for storage in storages}
+        self._handles = {address: handle for address, handle in self._handles.items() if address in kept}
+
+    def clear(self) -> None:
+        self.keep_only([])
+
+
+class SharedStaging:
+    """The host buffers of one background save: shared memory the writer process maps (from ``SharedBuffers``), or
+    pinned memory beside an accelerator (copied into shared memory when the save is written)."""
+
+    def __init__(self, buffers: SharedBuffers) -> None:
+        self._buffers = buffers
+        self._used: list[torch.UntypedStorage] = []
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, beside: torch.device) -> Tensor:
+        """A flat host tensor to stage a tensor of ``beside`` into (``async_save.stage``'s allocator)."""
+        if device.is_accelerator(beside):
+            return device.host_buffer(numel, dtype, beside=beside)
+        return self._shared(numel, dtype)
+
+    def _shared(self, numel: int, dtype: torch.dtype) -> Tensor:
+        # At least one byte: an empty storage has no file to share.
+        storage = self._buffers.take(max(1, numel * dtype.itemsize))
+        self._used.append(storage)
+        return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+
+    def shipped(self, data: Any) -> SharedTensor | bytes:
+        """What the writer process needs of one resolved write item: the bytes of a pickled object, or a tensor in
+        shared memory (copied there now when it was staged elsewhere)."""
+        if not isinstance(data, Tensor):
+            return bytes(data.getbuffer())  # DCP's BytesIO of a pickled object
+        handle = self._buffers.handle(data.untyped_storage())
+        if handle is None:
+            copy = self._shared(data.numel(), data.dtype).view(data.shape)
+            copy.copy_(data)
+            data = copy
+            handle = self._buffers.handle(data.untyped_storage())
+            assert handle is not None
+        manager, name, size = handle
+        return SharedTensor(manager, name, size, data.dtype, data.storage_offset(), tuple(data.shape), data.stride())
+
+    def written(self) -> None:
+        """The writer process is done with this save's buffers: they wait for the next save."""
+        self._buffers.keep_only(self._used)
+        self._used = []
+
+
+# ------------------------------------------------------------------------------------------------------ the process
+class WriterProcess:
+    """One writer process (``writer_child.py``) and the two pipes to it."""
+
+    def __init__(self) -> None:
+        child_reads, parent_writes = os.pipe()
+        parent_reads, child_writes = os.pipe()
+        environment = dict(os.environ)
+        environment.update(
+            OMP_NUM_THREADS="1",
+            CUDA_VISIBLE_DEVICES="",  # it only reads host memory; DCP's writer would otherwise look for a GPU
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), environment.get("PYTHONPATH")])),
+        )
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, str(Path(writer_child.__file__)), str(child_reads), str(child_writes)],
+                pass_fds=(child_reads, child_writes),
+                stdin=subprocess.DEVNULL,
+                env=environment,
+            )
+        finally:
+            os.close(child_reads)
+            os.close(child_writes)
+        self._jobs = Connection(parent_writes, readable=False)
+        self._replies = Connection(parent_reads, writable=False)
+        self._ready = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether the process finished its imports and said so."""
+        return self._ready
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def _receive(self) -> tuple[Any, ...]:
+        try:
+            return self._replies.recv()
+        except (EOFError, OSError) as error:
+            code = self._process.wait()
+            raise WriterProcessEnded(
+                f"the checkpoint writer process (pid {self._process.pid}) ended with exit code {code} before it"
+                " had written this rank's shards"
+            ) from error
+
+    def wait_until_ready(self) -> None:
+        """Wait for the process's imports to finish (its first message).
+
+        Raises:
+            WriterProcessFailed: it ended before.
+        """
+        if not self._ready:
+            self._receive()
+            self._ready = True
+
+    def write(self, job: writer_child.Job) -> list[Any]:
+        """Have the process write ``job``; returns DCP's write results.
+
+        Raises:
+            WriterProcessFailed: the write failed there (its error and traceback in the message), or the process
+                ended.
+        """
+        self.wait_until_ready()
+        try:
+            self._jobs.send(job)
+        except OSError as error:
+            self._receive()  # names the exit code when the process is gone
+            raise WriterProcessFailed(f"cannot hand the save to the checkpoint writer process: {error}") from error
+        reply = self._receive()
+        if reply[0] == writer_child.DONE:
+            return reply[1]
+        _, kind, message, trace = reply
+        raise WriterProcessFailed(f"{kind}: {message} (in the checkpoint writer process)\n{trace}")
+
+    def forget(self) -> None:
+        """Have the process unmap every staging buffer it keeps mapped (``SharedBuffers.clear`` freed them here)."""
+        if self._ready and self.alive():
+            self._jobs.send(writer_child.FORGET)
+            self._receive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """End the process: it leaves once its pipe closes (after the job it may be writing)."""
+        self._jobs.close()
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._replies.close()
+
+
+_process: WriterProcess | None = None
+_lock = threading.Lock()  # started on the training thread, replaced on a background thread
+_warned: set[str] = set()
+_buffers = SharedBuffers()
+
+
+def staging() -> SharedStaging:
+    """The buffers of a new background save, from those the previous one used."""
+    return SharedStaging(_buffers)
+
+
+def release_staging() -> None:
+    """Free the staging buffers kept for the next save, here and in the writer process (the end of a fit; no save
+    may be in flight)."""
+    _buffers.clear()
+    with _lock:
+        process = _process
+    if process is not None:
+        try:
+            process.forget()
+        except (WriterProcessFailed, OSError):
+            pass  # it ended: its mappings went with it
+
+
+def start() -> WriterProcess | None:
+    """The process's writer process, started now if there is none or it ended; ``None`` (with a warning once) where
+    none can start: background saves are then written on their thread."""
+    global _process
+    with _lock:
+        if _process is not None and _process.alive():
+            return _process
+        if _process is not None and not _process.ready:
+            return None  # it ended before it could work once (warned then): saves stay on their thread
+        try:
+            _process = WriterProcess()
+        except OSError as error:
+            _process = None
+            _warn_once(
+                "start",
+                f"lightning_colossal could not start its checkpoint writer process ({error}); background saves are"
+                " written on a thread of the training process instead, which slows training more while they are"
+                " written.",
+            )
+        return _process
+
+
+def stop() -> None:
+    """End the writer process, if any, and free the staging buffers (tests; a process that exits ends it anyway)."""
+    global _process
+    _buffers.clear()
+    with _lock:
+        process, _process = _process, None
+    if process is not None:
+        process.close()
+
+
+def room_for(staged_bytes: int, ranks_per_node: int) -> bool:
+    """Whether shared memory has room for ``staged_bytes`` from each of ``ranks_per_node`` ranks saving at once; warns
+    once where it has not."""
+    free = shared_memory_free_bytes()
+    needed = staged_bytes * max(1, ranks_per_node)
+    if free is not None and free >= needed:
+        return True
+    where = f"{SHARED_MEMORY} has {free:,} bytes free" if free is not None else f"there is no {SHARED_MEMORY}"
+    _warn_once(
+        "room",
+        f"Background checkpoint saves need {needed:,} bytes of shared memory to be written by a process of their own"
+        f" ({staged_bytes:,} per rank x {ranks_per_node} ranks on this node), and {where}: they are written on a"
+        " thread of the training process instead, which slows training more while they are written. In a container,"
+        " raise its shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium Memory).",
+    )
+    return False
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------------------ DCP's writer
+class ProcessShardWriter(FileSystemWriter):
+    """DCP's file writer whose ``write_data`` has the writer process write this rank's files: the same files, the
+    same write results, from the background thread that runs the save."""
+
+    def __init__(self, path: str | os.PathLike[str], process: WriterProcess, staging: SharedStaging) -> None:
+        super().__init__(path, per_thread_copy_ahead=0)
+        self._writer_process = process
+        self._staging = staging
+
+    def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
+        try:
+            self._writer_process.wait_until_ready()
+        except WriterProcessFailed as error:
+            # It never started working (a broken interpreter, say): write here rather than fail every save.
+            _warn_once("ready", f"{error}; background saves are written on a thread of the training process instead.")
+            self._staging.written()
+            return super().write_data(plan, planner)
+        try:
+            job = writer_child.Job(
+                directory=str(self.path),
+                storage_prefix=plan.storage_data,
+                items=list(plan.items),
+                data=[self._staging.shipped(planner.resolve_data(item)) for item in plan.items],
+            )
+            try:
+                results = self._writer_process.write(job)
+            except WriterProcessEnded:
+                # Once more, on a new process: the old one may have died between saves. The staged copies are
+                # intact and the files it may have begun are rewritten whole.
+                replacement = start()
+                if replacement is None or replacement is self._writer_process:
+                    raise
+                self._writer_process = replacement
+                results = replacement.write(job)
+        finally:
+            self._staging.written()
+        future: Future[list[Any]] = Future()
+        future.set_result(results)
+        return future
