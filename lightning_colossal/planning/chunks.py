@@ -4,7 +4,9 @@
 parameters in registration order (``build_layout``) and places chunks by their bytes (``static_plan``); calling the
 same functions gives the planner the engine's exact shard sizes and placement, also for partial offload fractions.
 The disk tier's share (``StaticPlacement.disk_fraction``, ``static_plan``'s ``disk_optimizer``) is counted in chunk
-bytes from the first chunk, like ``offload_optim_frac``.
+bytes from the first chunk, like ``offload_optim_frac``. Automatic placement (``auto_plan``) puts every optimizer in
+host memory and starts every shard there; under its host budget the chunks whose state goes to disk are the setting's
+``disk_chunks``, which ``host_budget.py`` chooses with the engine's own ``disk_by_host_budget``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class ChunkShape:
         optimizer_on_disk: the optimizer state shaped like the parameters (Adam's moments) lives on disk between
             steps (``StaticPlacement(disk_fraction=...)``); the gradient shard stays in host memory, and so does the
             master unless ``masters_on_disk`` moves it (``model_state.shard_is_master`` says whether there is one).
+        shard_moves: automatic placement brings the shard from host memory onto the compute device when a module
+            needs it, so on a GPU its fp32 master is a copy of its own in host memory (``ChunkManager``: a shard that
+            will move cannot share storage with a master the optimizer keeps on the host).
     """
 
     numel: int
@@ -42,6 +47,7 @@ class ChunkShape:
     optimizer_offloaded: bool
     parameters_offloaded: bool
     optimizer_on_disk: bool = False
+    shard_moves: bool = False
 
 
 @functools.lru_cache(maxsize=8)
@@ -64,16 +70,21 @@ def chunk_layout(
     """The chunks ``GeminiEngine`` builds for trainable parameters of ``shapes`` (in order) under ``setting``."""
     from lightning_colossal.config import StaticPlacement
     from lightning_colossal.gemini.layout import build_layout
-    from lightning_colossal.gemini.placement import static_plan
+    from lightning_colossal.gemini.placement import auto_plan, static_plan
 
     capacity = _chunk_capacity(tuple(math.prod(shape) for shape in shapes))
     specs = build_layout([(str(index), shape) for index, shape in enumerate(shapes)], capacity, world_size, rank)
-    placement = StaticPlacement(
-        offload_optim_frac=1.0 if setting.offload else 0.0,
-        offload_param_frac=setting.offload_parameters,
-        disk_fraction=setting.disk_fraction,
-    )
-    plan = static_plan([spec.numel * parameter_bytes for spec in specs], placement)
+    if setting.automatic:
+        # Budgeted: a GPU always is (without compute_memory_budget the budget is the device's memory), and on CPU
+        # ranks, where automatic placement has no budget, the device and the host are one memory anyway.
+        plan = auto_plan(len(specs), budgeted=True)._replace(disk_optimizer=setting.disk_chunks)
+    else:
+        placement = StaticPlacement(
+            offload_optim_frac=1.0 if setting.offload else 0.0,
+            offload_param_frac=setting.offload_parameters,
+            disk_fraction=setting.disk_fraction,
+        )
+        plan = static_plan([spec.numel * parameter_bytes for spec in specs], placement)
     return [
         ChunkShape(
             numel=spec.numel,
@@ -81,8 +92,9 @@ def chunk_layout(
             tensors=len(spec.members),
             member_numels=tuple(member.spec.local_numel for member in spec.members),
             optimizer_offloaded=spec.index in plan.offload_optimizer,
-            parameters_offloaded=spec.index in plan.offload_parameters,
+            parameters_offloaded=spec.index in plan.offload_parameters or spec.index in plan.start_offloaded,
             optimizer_on_disk=spec.index in plan.disk_optimizer,
+            shard_moves=spec.index in plan.start_offloaded,
         )
         for spec in specs
     ]

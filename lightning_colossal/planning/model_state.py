@@ -25,6 +25,9 @@ test_plan_against_engines.py`` checks them to the byte against what ``MemoryMoni
   whose fp32 shard is its own master (``shard_is_master``) keeps it, and its record holds the state alone. The moved
   masters' own bytes (4 per element) are counted as parameters on disk, the rest of the records (state and alignment)
   as optimizer state on disk, so the two add up to the tier's file.
+- Automatic placement with a host budget (``AutoPlacement(host_memory_budget=...)``, ``host_budget.py``): counted like
+  the fully offloaded Gemini, except that on a GPU every fp32 master is a copy apart from its shard (the shard moves to
+  the device when a module needs it), and the chunks on disk are the last ones the engine's budget sends there.
 """
 
 from __future__ import annotations
@@ -255,10 +258,12 @@ def fsdp_state(shapes: Sequence[Shape], training: Training, offload: bool, world
 
 
 def shard_is_master(chunk: ChunkShape, training: Training) -> bool:
-    """Whether ``chunk``'s working shard is its own fp32 master (``ChunkManager``: both fp32 on the same device; on
-    CPU ranks the host is both), so there is no second copy, in memory or on disk."""
+    """Whether ``chunk``'s working shard is its own fp32 master (``ChunkManager``: both fp32 on the same device, and
+    the shard not bound to move to the GPU under automatic placement; on CPU ranks the host is both), so there is no
+    second copy, in memory or on disk."""
     shard_on_host, master_on_host = chunk.parameters_offloaded, chunk.optimizer_offloaded
-    return training.parameter_bytes == FP32 and (shard_on_host == master_on_host or training.device_type == "cpu")
+    same_device = shard_on_host == master_on_host and not chunk.shard_moves
+    return training.parameter_bytes == FP32 and (same_device or training.device_type == "cpu")
 
 
 def _gemini_masters_on_disk(chunks: Sequence[ChunkShape], setting: Setting, training: Training) -> list[bool]:
@@ -272,13 +277,14 @@ def _gemini_masters_on_disk(chunks: Sequence[ChunkShape], setting: Setting, trai
 def gemini_state(
     shapes: Sequence[Shape], training: Training, setting: Setting, world_size: int, rank: int
 ) -> ModelState:
-    """``colossal_gemini`` with a static placement, chunk by chunk as ``ChunkManager`` allocates them.
+    """``colossal_gemini`` with a static placement (or automatic, with a host budget), chunk by chunk as ``ChunkManager``
+    allocates them.
 
     Per chunk: the working shard (parameters' dtype) where the placement parks parameters; the fp32 master, fp32
     gradient shard and optimizer state where it puts the optimizer. The master is the shard itself when the shard is
     fp32 and on the same device (always on CPU ranks). Under ``setting.disk_fraction`` the first chunks' moments
     live on disk, one record per chunk (their gradient shards stay in host memory), and with
-    ``setting.masters_on_disk`` their separate masters too.
+    ``setting.masters_on_disk`` their separate masters too; under a host budget, those of ``setting.disk_chunks``.
     """
     from lightning_colossal.planning.chunks import chunk_layout
 

@@ -9,7 +9,8 @@ space of the node's disk. On CPU ranks device and host are one memory.
 Disk settings (``disk_tier.py``) are weighed only when the hardware has a disk, and recommended only when no setting
 without disk fits: their optimizer steps read and write the state on disk every step. Each is shown at the least
 share of its optimizer state on disk that fits the host, and with the fp32 masters of that share on disk too
-(``masters_on_disk``) only when no share of the state alone fits it.
+(``masters_on_disk``) only when no share of the state alone fits it. Gemini's automatic placement with a host budget
+(``host_budget.py``) is shown with the chunks its engine would send to disk under the budget the planner names.
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ from lightning_colossal.planning.activations import (
     compute_bytes,
     ring_exchange_bytes,
 )
+from lightning_colossal.planning.chunks import chunk_layout
 from lightning_colossal.planning.disk_tier import DISK_FRACTIONS, Disk, io_seconds
 from lightning_colossal.planning.experts import all_to_all_bytes_per_step, expert_parallel_state, moe_layers
+from lightning_colossal.planning.host_budget import (
+    budget_from,
+    budget_note,
+    disk_chunks_for_budget,
+    outside_budget_bytes,
+)
 from lightning_colossal.planning.model_shape import ModelShape
 from lightning_colossal.planning.model_state import DeviceType, ModelState, Training, model_state
 from lightning_colossal.planning.settings import (
     DISK_BASES,
     Setting,
     disk_setting,
+    host_budget_setting,
     hybrid_settings,
     offload_settings,
     standard_settings,
@@ -382,16 +391,53 @@ def _least_disk(
     return _first_fitting(with_masters, hardware) or with_masters[-1]
 
 
+def _host_budget_row(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> Evaluation:
+    """Gemini's automatic placement with ``host_memory_budget`` (``host_budget.py``), with the chunks its engine
+    sends to disk under the largest budget that leaves the node 10% of its host memory (as the static rows' shares
+    leave it), else under the rank's whole share; where the engine would refuse even that, every chunk's state on disk
+    and the row not fitting the host, with a note saying so."""
+    assert hardware.disk is not None
+    offload_dir, ranks = hardware.disk.path, hardware.devices_per_node
+    # Nothing on disk (the budget does not change the bytes): what the planner counts that the budget does not.
+    in_memory = evaluate(model, host_budget_setting(1, offload_dir), hardware, training, workload)
+    outside = outside_budget_bytes(in_memory.host_bytes_per_rank, in_memory.model_state, training, len(model.shapes))
+    chunks = len(chunk_layout(model.shapes, training.parameter_bytes, in_memory.setting, hardware.world_size, 0))
+    for share in (1 - COMFORTABLE_HEADROOM, 1.0):
+        budget = budget_from(int(share * hardware.host_memory) // ranks - outside)
+        setting = host_budget_setting(budget, offload_dir)
+        on_disk = disk_chunks_for_budget(model.shapes, training, setting, hardware.world_size, 0)
+        if on_disk is not None:
+            setting = host_budget_setting(budget, offload_dir, on_disk)
+            row = evaluate(model, setting, hardware, training, workload)
+            return replace(
+                row, notes=row.notes + (budget_note(setting, share, outside, training, chunks, refused=False),)
+            )
+    setting = host_budget_setting(budget, offload_dir, frozenset(range(chunks)))
+    row = evaluate(model, setting, hardware, training, workload)
+    note = budget_note(setting, share, outside, training, chunks, refused=True)
+    return replace(row, fits_host=False, notes=row.notes + (note,))
+
+
 def disk_evaluations(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> list[Evaluation]:
     """Each offload setting with a disk tier (``DISK_BASES``) at the least disk share of ``DISK_FRACTIONS`` that fits
     the host (less on disk is less I/O per step), with the masters of that share on disk too only where no share of
-    the optimizer state alone fits the host (``_least_disk``); none when the hardware has no disk. An optimizer
-    without state shaped like the parameters (plain SGD) gets only rows that move masters. Also on CPU ranks, where
-    the disk saves RAM."""
+    the optimizer state alone fits the host (``_least_disk``), and Gemini's automatic placement with a host budget
+    (``_host_budget_row``); none when the hardware has no disk. An optimizer without state shaped like the parameters
+    (plain SGD) gets only rows that move masters. Also on CPU ranks, where the disk saves RAM."""
     if hardware.disk is None:
         return []
-    rows = (_least_disk(base, model, hardware, training, workload) for base in DISK_BASES)
-    return [row for row in rows if row is not None]
+    static_rows = (_least_disk(base, model, hardware, training, workload) for base in DISK_BASES)
+    rows = [row for row in static_rows if row is not None]
+    if training.optimizer.moments == 0:
+        return rows  # the host-budget row moves optimizer state only, and there is none shaped like the parameters
+    automatic = _host_budget_row(model, hardware, training, workload)
+    # Automatic placement keeps chunks on the device as its compute budget allows, where the fully offloaded static
+    # placement gathers every chunk from host memory: it goes ahead of that row when it also moves no more bytes
+    # through the disk per step, and after it otherwise. (On a GPU its fp32 masters are copies apart from the shards,
+    # which move to the device, so it can need more of the state on disk than the static row's share.)
+    static = next(index for index, row in enumerate(rows) if row.setting.label.startswith(DISK_BASES[-1] + " + "))
+    rows.insert(static if automatic.disk_bytes <= rows[static].disk_bytes else static + 1, automatic)
+    return rows
 
 
 def _plan_notes(model: ModelShape, hardware: Hardware, training: Training, workload: Workload) -> tuple[str, ...]:

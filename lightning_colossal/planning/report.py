@@ -186,7 +186,9 @@ def _evaluation_to_json(evaluation: Evaluation) -> dict[str, Any]:
         "how": evaluation.how,
         "tp_size": evaluation.setting.tp_size,
         "sp_size": evaluation.setting.sp_size,
-        "disk_fraction": evaluation.setting.disk_fraction,
+        # Under a host budget the share on disk follows from the budget: the chunks are in the model state's bytes.
+        "disk_fraction": None if evaluation.setting.automatic else evaluation.setting.disk_fraction,
+        "host_memory_budget": evaluation.setting.host_memory_budget,
         "masters_on_disk": evaluation.setting.masters_on_disk,
         "model_state": {
             "parameters": _placed(state.parameters),

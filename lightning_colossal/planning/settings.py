@@ -6,12 +6,15 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_colossal.planning.model_shape import ModelShape
+from lightning_colossal.planning.units import MIB
 
 __all__ = [
     "DISK_BASES",
+    "HOST_BUDGET_LABEL",
     "Setting",
     "disk_setting",
     "expert_parallel_sizes",
+    "host_budget_setting",
     "hybrid_settings",
     "offload_settings",
     "ring_sizes",
@@ -39,6 +42,11 @@ class Setting:
         masters_on_disk: the fp32 masters of the shards (ZeRO) or chunks (Gemini) whose optimizer state is on disk
             live in the same records (``ZeroConfig.masters_on_disk``, ``GeminiConfig.masters_on_disk``); needs
             ``disk_fraction``. A Gemini chunk whose fp32 shard is its own master has no separate master to move.
+        host_memory_budget: Gemini's automatic placement with ``AutoPlacement(host_memory_budget=...)`` and an
+            ``offload_dir`` (``None``: not this setting): every optimizer in host memory, every parameter shard
+            starting there, and the optimizer state of the last chunks on disk until the rest fits the budget.
+        disk_chunks: under ``host_memory_budget``, the chunks (of the rank the planner reports) whose optimizer state
+            the engine sends to disk (``host_budget.disk_chunks_for_budget``).
         tp_size: tensor-parallel ranks (hybrid).
         sp_size: ring-attention ranks (hybrid with ``sequence_parallel="ring"``): each holds ``1 / sp_size`` of every
             sequence, so its activations shrink by that factor, for key/value blocks sent around the ring per layer.
@@ -55,6 +63,8 @@ class Setting:
     offload_parameters: float = 0.0
     disk_fraction: float = 0.0
     masters_on_disk: bool = False
+    host_memory_budget: int | None = None
+    disk_chunks: frozenset[int] = frozenset()
     tp_size: int = 1
     sp_size: int = 1
     ep_size: int = 1
@@ -66,10 +76,20 @@ class Setting:
                 f"{self.label}: masters_on_disk needs disk_fraction > 0 (the masters go to disk beside their shards'"
                 " optimizer state); build it with disk_setting(base, fraction, offload_dir, masters_on_disk=True)."
             )
+        if self.disk_chunks and self.host_memory_budget is None:
+            raise ValueError(
+                f"{self.label}: disk_chunks are what a host_memory_budget sends to disk; build the setting with"
+                " host_budget_setting(budget, offload_dir, disk_chunks)."
+            )
 
     @property
     def uses_disk(self) -> bool:
-        return self.disk_fraction > 0
+        return self.disk_fraction > 0 or self.automatic
+
+    @property
+    def automatic(self) -> bool:
+        """Gemini's automatic placement (the host-budget row), where the disk share follows from the budget."""
+        return self.host_memory_budget is not None
 
 
 def _named(name: str, family: Family, why: str, **fields: object) -> Setting:
@@ -157,6 +177,34 @@ def disk_setting(base_label: str, fraction: float, offload_dir: str, masters_on_
         disk_fraction=fraction,
         masters_on_disk=masters_on_disk,
         why_prefer=f"{base.why_prefer}; {fraction:.0%} of {what} on disk",
+    )
+
+
+HOST_BUDGET_LABEL = "colossal_gemini_auto + host budget"
+
+
+def host_budget_setting(budget: int, offload_dir: str, disk_chunks: frozenset[int] = frozenset()) -> Setting:
+    """Gemini's automatic placement with ``AutoPlacement(host_memory_budget=budget)`` and the disk tier under
+    ``offload_dir``: counted like the fully offloaded Gemini (every shard starts in host memory, as automatic placement
+    starts them under a compute budget), with the optimizer state of ``disk_chunks`` on disk.
+
+    Raises:
+        ValueError: a budget below one byte (``AutoPlacement`` refuses it).
+    """
+    if budget < 1:
+        raise ValueError(f"host memory budget {budget}: pass a positive number of bytes.")
+    # Whole MiB read better in ``use:``, and stay a Python expression that builds the strategy.
+    written = f"{budget // MIB} * 2**20" if budget % MIB == 0 else str(budget)
+    return Setting(
+        label=HOST_BUDGET_LABEL,
+        family="gemini",
+        how=f"GeminiStrategy(placement=AutoPlacement(host_memory_budget={written}), offload_dir={offload_dir!r})",
+        offload=True,
+        offload_parameters=1.0,
+        host_memory_budget=budget,
+        disk_chunks=disk_chunks,
+        why_prefer="chunks on the device as automatic placement's compute budget allows, all model state counted in"
+        " host memory; on disk only the optimizer state (of the last chunks) that the host budget cannot hold",
     )
 
 

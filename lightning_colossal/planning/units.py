@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "parse_bytes", "parse_count"]
+__all__ = ["MIB", "format_bytes", "parse_bytes", "parse_count"]
+
+MIB = 2**20
 
 # "G", "T", ... without an "i" or a "B" mean binary units, as ``free -g`` and ``nvidia-smi`` print them; "GB" is 10**9.
 _BYTE_UNITS = {
