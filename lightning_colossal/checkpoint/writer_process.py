@@ -59,11 +59,12 @@ class WriterProcessEnded(WriterProcessFailed):
 # ------------------------------------------------------------------------------------------------------ memory
 def shared_memory_free_bytes() -> int | None:
     """Free bytes of the tmpfs that shared host memory comes from; ``None`` where there is none (not Linux)."""
+    statvfs = getattr(os, "statvfs", None)  # not on Windows
     try:
-        stats = os.statvfs(SHARED_MEMORY)
+        stats = statvfs(SHARED_MEMORY) if statvfs is not None else None
     except OSError:
         return None
-    return stats.f_bavail * stats.f_frsize
+    return stats.f_bavail * stats.f_frsize if stats is not None else None
 
 
 class SharedBuffers:
@@ -100,6 +101,10 @@ class SharedBuffers:
 
     def clear(self) -> None:
         self.keep_only([])
+
+    def kept_bytes(self) -> int:
+        """Bytes held for the next save (already in shared memory, so not needed anew)."""
+        return sum(storage.nbytes() for storages in self._free.values() for storage in storages)
 
 
 class SharedStaging:
@@ -273,7 +278,7 @@ def start() -> WriterProcess | None:
             return None  # it ended before it could work once (warned then): saves stay on their thread
         try:
             _process = WriterProcess()
-        except OSError as error:
+        except (OSError, ValueError) as error:  # ValueError: pass_fds where the platform has none (Windows)
             _process = None
             _warn_once(
                 "start",
@@ -295,19 +300,21 @@ def stop() -> None:
 
 
 def room_for(staged_bytes: int, ranks_per_node: int) -> bool:
-    """Whether shared memory has room for ``staged_bytes`` from each of ``ranks_per_node`` ranks saving at once; warns
-    once where it has not."""
+    """Whether shared memory has room for ``staged_bytes`` from each of ``ranks_per_node`` ranks saving at once, less
+    what the previous save's buffers, already there, provide; warns once where it has not."""
     free = shared_memory_free_bytes()
-    needed = staged_bytes * max(1, ranks_per_node)
-    if free is not None and free >= needed:
+    if free is None:
+        return False  # no /dev/shm (macOS, Windows): the thread writes, as it always did there
+    needed = max(0, staged_bytes - _buffers.kept_bytes()) * max(1, ranks_per_node)
+    if free >= needed:
         return True
-    where = f"{SHARED_MEMORY} has {free:,} bytes free" if free is not None else f"there is no {SHARED_MEMORY}"
     _warn_once(
         "room",
-        f"Background checkpoint saves need {needed:,} bytes of shared memory to be written by a process of their own"
-        f" ({staged_bytes:,} per rank x {ranks_per_node} ranks on this node), and {where}: they are written on a"
-        " thread of the training process instead, which slows training more while they are written. In a container,"
-        " raise its shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium Memory).",
+        f"Background checkpoint saves need {needed:,} more bytes of shared memory to be written by a process of their"
+        f" own ({staged_bytes:,} per rank x {ranks_per_node} ranks on this node), and {SHARED_MEMORY} has {free:,} bytes"
+        " free: they are written on a thread of the training process instead, which slows training more while they"
+        " are written. In a container, raise its shared memory (docker run --shm-size=..., a Kubernetes emptyDir"
+        " with medium Memory).",
     )
     return False
 

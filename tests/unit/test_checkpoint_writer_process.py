@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -83,6 +84,15 @@ def test_a_background_save_through_the_writer_process_holds_what_a_synchronous_s
     async_save.wait_for_background_save()
     assert_same(read_sharded(tmp_path / "async.ckpt"), read_sharded(tmp_path / "sync.ckpt"))
     assert our_shared_memory() == kept, "the next save reuses the buffers"
+    free = writer_process.shared_memory_free_bytes
+    try:  # the buffers kept count as room: a full /dev/shm still takes a save that reuses them all
+        writer_process.shared_memory_free_bytes = lambda: 0
+        writer_process._warned.discard("room")
+        assert writer_process.room_for(async_save.staged_bytes(state), ranks_per_node=8)
+        with pytest.warns(UserWarning, match="more bytes of shared memory"):
+            assert not writer_process.room_for(async_save.staged_bytes(state) + 4096, ranks_per_node=8)
+    finally:
+        writer_process.shared_memory_free_bytes = free
     async_save.finish_background_saves()  # the end of a fit frees them, here and in the writer process
     shards = sorted(path.name for path in (tmp_path / "async.ckpt.shards").iterdir())
     assert len(shards) == 1 and sorted(p.name for p in (tmp_path / "async.ckpt.shards" / shards[0]).iterdir()) == [
@@ -205,6 +215,7 @@ def test_too_little_shared_memory_writes_on_the_thread_and_says_how_to_get_more(
 
 
 def test_the_room_needed_counts_every_rank_of_the_node(monkeypatch):
+    monkeypatch.setattr(writer_process, "_buffers", writer_process.SharedBuffers())  # none kept from other tests
     monkeypatch.setattr(writer_process, "_warned", {"room"})
     monkeypatch.setattr(writer_process, "shared_memory_free_bytes", lambda: 1000)
     assert writer_process.room_for(500, ranks_per_node=2)
@@ -212,3 +223,18 @@ def test_the_room_needed_counts_every_rank_of_the_node(monkeypatch):
     # weight (once, though saved under two names), transposed, half, step, exp_avg, flags, empty
     expected = 33 * 7 * 4 + 45 * 4 + 11 * 2 + 4 + 33 * 7 * 4 + 4 * 8 + 0
     assert async_save.staged_bytes(a_state()) == expected
+
+
+def test_without_shared_memory_saves_are_written_on_the_thread_quietly(tmp_path, monkeypatch):
+    """macOS and Windows have no /dev/shm: the thread writes, as it always did there, and nothing warns."""
+    monkeypatch.setattr(writer_process, "shared_memory_free_bytes", lambda: None)
+    monkeypatch.setattr(writer_process, "_warned", set())
+    monkeypatch.setattr(writer_process, "start", lambda: pytest.fail("no writer process is asked for"))
+    state = a_state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async_save.save_in_background(tmp_path / "last.ckpt", state, {}, None, timedelta(seconds=60))
+        async_save.wait_for_background_save()
+    assert not [warning for warning in caught if "writer process" in str(warning.message)]
+    save_sharded(tmp_path / "sync.ckpt", state, {})
+    assert_same(read_sharded(tmp_path / "last.ckpt"), read_sharded(tmp_path / "sync.ckpt"))
