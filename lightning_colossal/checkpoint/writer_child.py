@@ -51,6 +51,19 @@ class Job(NamedTuple):
     data: list[SharedTensor | bytes]
 
 
+def to_message(job: Job) -> tuple[Any, ...]:
+    """``job`` as plain tuples: pickled, the named tuples would name this module as part of the package, and
+    unpickling them here would import the package (Lightning with it: seconds and hundreds of MB)."""
+    data = [tuple(value) if isinstance(value, SharedTensor) else value for value in job.data]
+    return (job.directory, job.storage_prefix, job.items, data)
+
+
+def from_message(message: tuple[Any, ...]) -> Job:
+    directory, storage_prefix, items, data = message
+    shipped = [value if isinstance(value, bytes) else SharedTensor(*value) for value in data]
+    return Job(directory, storage_prefix, items, shipped)
+
+
 def tensor_of(shared: SharedTensor, storages: dict[bytes, torch.UntypedStorage]) -> torch.Tensor:
     """The tensor ``shared`` describes, mapping its storage once per job (``storages``, by handle)."""
     storage = storages.get(shared.handle)
@@ -93,13 +106,14 @@ def serve(jobs: Connection, replies: Connection) -> None:
     replies.send((READY, os.getpid()))
     while True:
         try:
-            job = jobs.recv()
+            message = jobs.recv()
         except EOFError:
             return  # the training process ended, normally or not
-        if job == FORGET:
+        if message == FORGET:
             _mapped.clear()
             replies.send((DONE, []))
             continue
+        job = from_message(message)
         try:
             results = write(job)
         except BaseException as error:  # answered, not raised: the training process raises it, naming the save

@@ -217,7 +217,7 @@ class WriterProcess:
         """
         self.wait_until_ready()
         try:
-            self._jobs.send(job)
+            self._jobs.send(writer_child.to_message(job))
         except OSError as error:
             self._receive()  # names the exit code when the process is gone
             raise WriterProcessFailed(f"cannot hand the save to the checkpoint writer process: {error}") from error

@@ -428,7 +428,7 @@ else:
 
     def hand_over_then_stall(self, job):
         self.wait_until_ready()
-        self._jobs.send(job)
+        self._jobs.send(writer_process.writer_child.to_message(job))
         assert self._receive()[0] == "done"  # the writer process wrote the shards; this process dies before the commit
         print(f"WRITER PROCESS {self.pid}", flush=True)
         stall()

@@ -138,6 +138,17 @@ def one_job(directory: Path, staging: writer_process.SharedStaging) -> tuple[wri
     return job, weight
 
 
+def test_a_job_travels_without_naming_the_package(tmp_path):
+    """The writer process imports torch only: a message naming ``lightning_colossal`` would import the package (and
+    Lightning) there when unpickled."""
+    import pickle
+
+    job, weight = one_job(tmp_path, writer_process.staging())
+    message = writer_child.to_message(job)
+    assert b"lightning_colossal" not in pickle.dumps(message)
+    assert writer_child.from_message(message) == job
+
+
 def test_a_failure_in_the_writer_process_is_raised_with_its_cause_and_the_process_serves_on(tmp_path):
     process = writer_process.start()
     assert process is not None
