@@ -65,7 +65,7 @@ def from_message(message: tuple[Any, ...]) -> Job:
 
 
 def tensor_of(shared: SharedTensor, storages: dict[bytes, torch.UntypedStorage]) -> torch.Tensor:
-    """The tensor ``shared`` describes, mapping its storage once per job (``storages``, by handle)."""
+    """The tensor ``shared`` describes, its storage mapped unless ``storages`` holds it already (by handle)."""
     storage = storages.get(shared.handle)
     if storage is None:
         storage = torch.UntypedStorage._new_shared_filename_cpu(shared.manager, shared.handle, shared.storage_bytes)
@@ -111,20 +111,21 @@ def serve(jobs: Connection, replies: Connection) -> None:
             return  # the training process ended, normally or not
         if message == FORGET:
             _mapped.clear()
-            replies.send((DONE, []))
-            continue
-        job = from_message(message)
-        try:
-            results = write(job)
-        except BaseException as error:  # answered, not raised: the training process raises it, naming the save
-            replies.send((FAILED, type(error).__name__, str(error), traceback.format_exc()))
+            answer: tuple[Any, ...] = (DONE, [])
         else:
-            replies.send((DONE, results))
-        finally:
+            job = from_message(message)
+            try:
+                answer = (DONE, write(job))
+            except BaseException as error:  # answered, not raised: the training process raises it, naming the save
+                answer = (FAILED, type(error).__name__, str(error), traceback.format_exc())
             # Storages this job did not use were freed by the training process: unmapped, their memory goes.
             used = {value.handle for value in job.data if isinstance(value, SharedTensor)}
             for handle in [handle for handle in _mapped if handle not in used]:
                 del _mapped[handle]
+        try:
+            replies.send(answer)
+        except OSError:
+            return  # the training process ended while this job was written (BrokenPipeError)
 
 
 def main(argv: list[str]) -> None:
