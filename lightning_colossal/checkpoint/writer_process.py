@@ -5,8 +5,8 @@ A background save written on a thread shares the training process's GIL. DCP ser
 ``torch.save`` (pickling, a checksum over every byte), which holds the GIL in long stretches, and the training
 thread, Python between its kernels, waits meanwhile even where a core is idle. Measured on a 2-core machine
 (benchmarks/RESULTS.md, "Checkpoint stall with a writer process"): a 418 MiB save cost a Python-bound loop beside it
-0.57 s written from a thread, 0.08 s from a process; in a real 1-rank fit with a core free, 0.64 s against 0.37 s
-(what stays on the thread, below, is the rest). So each training process keeps one writer process
+0.57 s written from a thread, 0.08 s from a process; in a real 1-rank CPU fit with a core free, 0.64-0.84 s against
+0.37-0.67 s (what stays on the thread, below, is the rest). So each training process keeps one writer process
 (``writer_child.py``), and a background save hands it the bulk of the work, this rank's shard files (DCP's
 ``write_data``). The rest stays on the background thread: planning and the exchange of write results are
 collectives on the background save's group, and rank 0's checkpoint file holds Lightning's entries, which may hold
