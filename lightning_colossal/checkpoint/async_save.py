@@ -36,6 +36,7 @@ strategy's collective timeout.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -46,7 +47,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.checkpoint import sharded, writer_process
@@ -248,18 +248,15 @@ def save_in_background(
     # Lightning's entries hold references to live objects (a callback's dict of best checkpoints, schedulers' lists).
     staged_metadata = copy.deepcopy(metadata)
 
-    def shard_writer(directory: str) -> FileSystemWriter:
-        assert process is not None and staging is not None
-        return writer_process.ProcessShardWriter(directory, process, staging)
+    shard_writer = (
+        functools.partial(writer_process.ProcessShardWriter, process=process, staging=staging)
+        if process is not None and staging is not None
+        else None
+    )
 
     def write() -> None:
         sharded.save_sharded(
-            path,
-            staged_tensors,
-            staged_metadata,
-            group=group,
-            description=description,
-            storage_writer=shard_writer if process is not None else None,
+            path, staged_tensors, staged_metadata, group=group, description=description, storage_writer=shard_writer
         )
 
     _in_flight = BackgroundSave(path, write).start()

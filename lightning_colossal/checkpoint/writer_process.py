@@ -21,8 +21,9 @@ would kill the process (``SIGBUS``) rather than fail the save.
 
 The writer process starts when a fit that saves in the background starts (its imports take seconds; they overlap
 training) and serves every later save of the process. It ends when the training process closes its pipe or dies. A
-writer process that died fails the save it was writing like any failed write (the previous checkpoint stays,
-``atomic.py`` [Note: atomic save]), and the next save starts a new one.
+writer process found dead when a save hands it the shards is replaced and the shards handed to the new one, once per
+save; a second death fails that save like any failed write (the previous checkpoint stays, ``atomic.py`` [Note:
+atomic save]).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from lightning_colossal.checkpoint.writer_child import SharedTensor
 from lightning_colossal.distributed import device
 
 SHARED_MEMORY = Path("/dev/shm")
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
 class WriterProcessFailed(RuntimeError):
@@ -157,11 +157,9 @@ class WriterProcess:
         child_reads, parent_writes = os.pipe()
         parent_reads, child_writes = os.pipe()
         environment = dict(os.environ)
-        environment.update(
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",  # it only reads host memory; DCP's writer would otherwise look for a GPU
-            PYTHONPATH=os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), environment.get("PYTHONPATH")])),
-        )
+        # It only reads host memory (DCP's writer would otherwise look for a GPU), and it imports nothing of the
+        # package (``writer_child.to_message``), so it needs no path to it.
+        environment.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         try:
             self._process = subprocess.Popen(
                 [sys.executable, str(Path(writer_child.__file__)), str(child_reads), str(child_writes)],
