@@ -174,6 +174,16 @@ def padded_batch(seed: int, batch_size: int = BATCH) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def unpadded_batch(seed: int, batch_size: int = BATCH) -> dict[str, torch.Tensor]:
+    """The most common call: tokens and labels, no attention_mask (transformers then reads position_ids for packing)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(1, VOCAB, (batch_size, SEQUENCE), generator=generator)
+    return {"input_ids": input_ids, "labels": input_ids.clone()}
+
+
+BATCHES: dict[str, Callable[[int], dict[str, torch.Tensor]]] = {"padded": padded_batch, "no_mask": unpadded_batch}
+
+
 def _slice(batch: dict[str, torch.Tensor], rank: int, size: int, layout: str) -> dict[str, torch.Tensor]:
     from lightning_colossal.parallel.sequence_layout import shard_sequence
 
@@ -181,14 +191,14 @@ def _slice(batch: dict[str, torch.Tensor], rank: int, size: int, layout: str) ->
 
 
 # ------------------------------------------------------------------------------------------------ one step, no strategy
-def one_step_body(family: str, layout: str) -> dict[str, Any]:
+def one_step_body(family: str, layout: str, batch_kind: str = "padded") -> dict[str, Any]:
     """On each rank: the unsplit model's loss and gradients, and the sp-split model's (gradients averaged over sp)."""
     from lightning_colossal.parallel.policies import find_policy
     from lightning_colossal.parallel.tensor_parallel import ParallelContext
 
     whole = new_model(family)
     split = copy.deepcopy(whole)
-    batch = padded_batch(1)
+    batch = BATCHES[batch_kind](1)
     whole_loss = whole(**batch).loss
     whole_loss.backward()
     group = torch.distributed.group.WORLD
@@ -224,24 +234,33 @@ def one_step_body(family: str, layout: str) -> dict[str, Any]:
     }
 
 
-FAST = {("llama", "contiguous"), ("mistral_sliding_window", "contiguous"), ("llama_gqa", "zigzag")}
+FAST = {
+    ("llama", "contiguous", "padded"),
+    ("mistral_sliding_window", "contiguous", "padded"),
+    ("llama_gqa", "zigzag", "padded"),
+    ("llama", "zigzag", "no_mask"),
+}
 #: Not ring rows: Gemma2's attention soft-caps its logits (ring refuses it); eager attention gives a query that sees
 #: no key (a left pad, whose output predicts the first real token) the mean of every value, ring attention zeros, as
 #: sdpa does, so the eager whole model is no oracle for that row.
 NOT_RING = {"gemma2", "llama_eager"}
 ROWS = [
-    pytest.param(family, layout, id=f"{family}-{'ulysses' if layout == 'contiguous' else 'ring'}",
-                 marks=() if (family, layout) in FAST else pytest.mark.slow)
+    pytest.param(
+        family, layout, batch_kind,
+        id=f"{family}-{'ulysses' if layout == 'contiguous' else 'ring'}" + ("" if batch_kind == "padded" else "-no_mask"),
+        marks=() if (family, layout, batch_kind) in FAST else pytest.mark.slow,
+    )
+    for batch_kind in BATCHES
     for layout in ("contiguous", "zigzag")
     for family in FAMILIES
     if not (layout == "zigzag" and family in NOT_RING)
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("family", "layout"), ROWS)
-def test_sequence_parallel_step_matches_the_whole_model(rank_pool_2, family, layout):
+@pytest.mark.parametrize(("family", "layout", "batch_kind"), ROWS)
+def test_sequence_parallel_step_matches_the_whole_model(rank_pool_2, family, layout, batch_kind):
     mode = "ulysses" if layout == "contiguous" else "ring"
-    for result in rank_pool_2.run(one_step_body, family, layout, timeout=120):
+    for result in rank_pool_2.run(one_step_body, family, layout, batch_kind, timeout=120):
         whole_loss, split_loss = result["losses"]
         assert split_loss == pytest.approx(whole_loss, rel=1e-5)
         torch.testing.assert_close(result["gradients"], result["expected"], rtol=1e-4, atol=1e-5)
@@ -258,23 +277,23 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-def step_batches() -> list[dict[str, torch.Tensor]]:
-    return [padded_batch(100 + step) for step in range(STEPS)]
+def step_batches(batch_kind: str = "padded") -> list[dict[str, torch.Tensor]]:
+    return [BATCHES[batch_kind](100 + step) for step in range(STEPS)]
 
 
-def oracle(family: str, optimizer_name: str) -> dict[str, Any]:
+def oracle(family: str, optimizer_name: str, batch_kind: str = "padded") -> dict[str, Any]:
     """One process, the same global batches: losses per step and the weights after training."""
     model = new_model(family)
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     losses = []
-    for batch in step_batches():
+    for batch in step_batches(batch_kind):
         optimizer.zero_grad()
         loss = model(**batch).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     with torch.no_grad():
-        validation = [model(**batch).loss.item() for batch in step_batches()]
+        validation = [model(**batch).loss.item() for batch in step_batches(batch_kind)]
     return {
         "losses": losses,
         "validation_losses": validation,
@@ -282,7 +301,9 @@ def oracle(family: str, optimizer_name: str) -> dict[str, Any]:
     }
 
 
-def hybrid_body(family: str, optimizer_name: str, strategy_kwargs: dict[str, Any]) -> dict[str, Any]:
+def hybrid_body(
+    family: str, optimizer_name: str, strategy_kwargs: dict[str, Any], batch_kind: str = "padded"
+) -> dict[str, Any]:
     from lightning.pytorch import LightningModule
     from torch.utils.data import DataLoader
 
@@ -321,9 +342,9 @@ def hybrid_body(family: str, optimizer_name: str, strategy_kwargs: dict[str, Any
     trainer = quiet_trainer(
         strategy=strategy, devices=torch.distributed.get_world_size(), max_steps=STEPS, use_distributed_sampler=False
     )
-    trainer.fit(module, train_dataloaders=DataLoader(step_batches(), batch_size=None))
+    trainer.fit(module, train_dataloaders=DataLoader(step_batches(batch_kind), batch_size=None))
     # Validation splits the batch the same way; the trained model's loss on each batch.
-    trainer.validate(module, dataloaders=DataLoader(step_batches(), batch_size=None), verbose=False)
+    trainer.validate(module, dataloaders=DataLoader(step_batches(batch_kind), batch_size=None), verbose=False)
     return {
         "losses": module.losses,
         "validation_losses": module.validation_losses,
@@ -352,17 +373,26 @@ HYBRID_ROWS = {
     # query row), and AdamW's normalised step turns that rounding noise into full-size, run-dependent updates.
     "gpt2-tp2-ring-sgd": ("gpt2", "sgd", {"tp_size": 2, "sp_size": 2, "sequence_parallel": "ring"}, 4),
     "opt-ulysses-zero1-sgd": ("opt", "sgd", {"sp_size": 2, "zero_stage": 1}, 2),
+    # The most common call, model(input_ids=ids, labels=ids): no attention_mask.
+    "llama-ring-no_mask-sgd": ("llama", "sgd", {"sp_size": 2, "sequence_parallel": "ring"}, 2, "no_mask"),
+    "gpt_neox-ring-no_mask-zero1-sgd": (  # SGD: GPT-NeoX's fused projection has a key bias (see gpt2's row)
+        "gpt_neox", "sgd", {"sp_size": 2, "sequence_parallel": "ring", "zero_stage": 1}, 2, "no_mask"
+    ),
+    "mistral_sliding_window-ulysses-no_mask-sgd": ("mistral_sliding_window", "sgd", {"sp_size": 2}, 2, "no_mask"),
 }  # fmt: skip
-FAST_HYBRID = {"llama-ulysses-adamw"}
+FAST_HYBRID = {"llama-ulysses-adamw", "llama-ring-no_mask-sgd"}
 
 
 @pytest.mark.parametrize(
     "case", [case if case in FAST_HYBRID else pytest.param(case, marks=pytest.mark.slow) for case in HYBRID_ROWS]
 )
 def test_colossal_hybrid_trains_like_one_process(rank_pools, case):
-    family, optimizer_name, strategy_kwargs, world_size = HYBRID_ROWS[case]
-    results = rank_pools.get(world_size).run(hybrid_body, family, optimizer_name, strategy_kwargs, timeout=300)
-    expected = oracle(family, optimizer_name)
+    family, optimizer_name, strategy_kwargs, world_size, *batch_kind = HYBRID_ROWS[case]
+    batch_kind = batch_kind[0] if batch_kind else "padded"
+    results = rank_pools.get(world_size).run(
+        hybrid_body, family, optimizer_name, strategy_kwargs, batch_kind, timeout=300
+    )
+    expected = oracle(family, optimizer_name, batch_kind)
     initial = new_model(family).state_dict()
     moved = max((expected["weights"][f"model.{name}"] - value).abs().max().item() for name, value in initial.items())
     assert moved > 1e-3, "the oracle did not train"

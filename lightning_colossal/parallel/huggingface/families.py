@@ -13,6 +13,12 @@ beyond the weights:
 - ``head_counts``: config counts that must divide by tp_size (refused before training otherwise).
 - ``per_head_biases``: attention modules that receive ALiBi biases for all heads (``alibi=`` keyword, Bloom and
   Falcon build them once in the base model's forward) and keep this rank's heads' rows.
+- ``key_value_groups``: attention modules that cache ``num_key_value_groups`` (how many query heads share one
+  key/value head, which ``repeat_kv`` in ``transformers``' attention functions reads) and the two head-count
+  attributes it is the ratio of. After the division it is recomputed from the local counts: Falcon's multi-query
+  attention keeps its one shared key/value head whole, so the ratio halves at tp_size=2 (since transformers 5.25,
+  Falcon runs the shared attention functions, which read the count cached at construction; before, it split its
+  fused projection by its own ``num_heads``).
 
 Choices per family (see docs/huggingface.md): OPT, ViT, T5 are Megatron splits; T5's relative position bias
 embedding (one column per head, in the first layer) is split by columns with the heads. Switch Transformers splits
@@ -56,6 +62,7 @@ class FamilyPlan:
     head_counts: tuple[str, ...]
     local_config: dict[str, tuple[str, ...]] = field(default_factory=dict)
     per_head_biases: tuple[str, ...] = ()
+    key_value_groups: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _megatron(attention: str, projections: tuple[str, str, str, str], mlp: dict[str, str]) -> dict[str, Style]:
@@ -157,6 +164,7 @@ def _falcon(config: Any) -> FamilyPlan:
         head_attributes={attention: heads},
         head_counts=counts,
         per_head_biases=(attention,) if config.alibi else (),
+        key_value_groups={attention: ("num_heads", "num_kv_heads")},
     )
 
 
@@ -223,6 +231,9 @@ class FamilyPlanPolicy(ModelPolicy):
         plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
         _divide_per_rank(base, family.head_attributes, context, _divide_attributes)
         _divide_per_rank(base, family.local_config, context, _divide_local_config)
+        for pattern, (query_heads, key_value_heads) in family.key_value_groups.items():
+            for module in _matching(base, pattern):
+                _recount_key_value_groups(module, query_heads, key_value_heads)
         for pattern in family.per_head_biases:
             for module in _matching(base, pattern):
                 module.register_forward_pre_hook(functools.partial(_local_alibi, context), with_kwargs=True)
@@ -279,6 +290,20 @@ def _divide_local_config(module: nn.Module, attributes: tuple[str, ...], parts: 
     for attribute in attributes:
         setattr(local, attribute, _divided(module, f"config.{attribute}", getattr(local, attribute), parts))
     module.config = local
+
+
+def _recount_key_value_groups(module: nn.Module, query_heads: str, key_value_heads: str) -> None:
+    """``num_key_value_groups`` from this rank's head counts, where the attention caches it (see the module
+    docstring); a version that does not cache it reads the counts themselves."""
+    if not hasattr(module, "num_key_value_groups"):
+        return
+    queries, keys = int(getattr(module, query_heads)), int(getattr(module, key_value_heads))
+    if queries % keys != 0:
+        raise ValueError(
+            f"{type(module).__name__} holds {queries} query heads and {keys} key/value heads on this tensor-parallel"
+            " rank, which do not group evenly: choose a tp_size that divides the key/value heads."
+        )
+    module.num_key_value_groups = queries // keys
 
 
 def _divided(module: nn.Module, what: str, count: int, parts: int) -> int:

@@ -28,7 +28,8 @@ Around the attention, two pre-hooks (``parallel/attached.py`` [Note: techniques 
   embeddings), supplied when the caller passes none, and numbered over the whole sequence's real tokens for the
   families that number them from the padding mask (``POSITIONS_FROM_PADDING``). Packed sequences (positions that
   restart inside a sequence without an attention mask) and prepared 4-D masks are refused: ``transformers`` would
-  build or read them over this rank's slice only.
+  build or read them over this rank's slice only. Under ring attention a call without a padding mask gets one with
+  every token real ([Note: ring attention is always given a padding mask]).
 - on a causal LM given ``labels``: the loss. ``ForCausalLMLoss`` shifts labels inside the model, which on a slice
   pairs the slice's last token with nothing (and the next slice's first label with no token). The hook gathers the
   labels over the sp ranks, shifts them once for the whole sequence and passes this rank's slice as
@@ -56,6 +57,7 @@ import functools
 import inspect
 import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -440,8 +442,7 @@ def _ring_mask(
         candidates.append((True, local_size, causal & (queries - keys < local_size)))
     for is_causal, window, pattern in candidates:
         if asked is not None and torch.equal(asked, pattern):
-            padding = None if attention_mask is None else attention_mask.to(torch.bool)
-            return RingMask(causal=is_causal, sliding_window=window, padding=padding)
+            return RingMask(causal=is_causal, sliding_window=window, padding=_padding(attention_mask))
     raise ValueError(
         "Ring attention computes causal, sliding-window causal and bidirectional attention from positions; this model"
         " asks for another mask pattern (chunked attention, packed sequences, an image-token overlay): use"
@@ -501,7 +502,37 @@ def _base_inputs(parallelism: SequenceParallelism, module: nn.Module, args: tupl
         arguments["position_ids"] = parallelism.positions(tokens.shape[1]).to(tokens.device).unsqueeze(0)
     elif arguments.get("attention_mask") is None:
         _refuse_packed(position_ids.expand(tokens.shape[0], -1), parallelism)
+    if parallelism.layout == "zigzag" and arguments.get("attention_mask") is None:
+        arguments["attention_mask"] = _no_padding(tokens.shape[:2], tokens.device)
     return (), arguments
+
+
+#: The all-real-token masks ``_no_padding`` made, by id, while they live: ``_ring_mask`` reads them as no padding.
+_NO_PADDING: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def _no_padding(shape: torch.Size, device: torch.device) -> Tensor:
+    """A padding mask with every token real, for a ring-attention call given none.
+
+    [Note: ring attention is always given a padding mask]
+    With no ``attention_mask``, ``transformers`` reads ``position_ids`` for packed sequences (a position that does not
+    follow its neighbour starts a new sequence, ``masking_utils.find_packed_sequence_indices``), and a zigzag slice's
+    global positions jump where its two chunks meet: the mask it would ask for is the packed-sequence one, which ring
+    attention refuses. Given a 2-D mask, it never looks. The mask is bool on the tokens' device, which
+    ``transformers`` keeps as it is (its ``.to`` returns the same tensor), so ``_ring_mask`` recognises it and gives
+    ring attention no padding to gather or apply; were a release to copy it, the mask would still be all real tokens,
+    only slower.
+    """
+    mask = torch.ones(shape, dtype=torch.bool, device=device)
+    _NO_PADDING[id(mask)] = mask
+    return mask
+
+
+def _padding(attention_mask: Tensor | None) -> Tensor | None:
+    """Ring attention's key padding from the mask ``transformers`` passed on; ``None`` for no padding."""
+    if attention_mask is None or _NO_PADDING.get(id(attention_mask)) is attention_mask:
+        return None
+    return attention_mask.to(torch.bool)
 
 
 def _labels(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
