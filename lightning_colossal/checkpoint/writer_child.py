@@ -103,7 +103,10 @@ def write(job: Job) -> list[Any]:
 
 def serve(jobs: Connection, replies: Connection) -> None:
     """Answer jobs until the training process closes the pipe."""
-    replies.send((READY, os.getpid()))
+    try:
+        replies.send((READY, os.getpid()))
+    except OSError:
+        return  # the training process ended (a run that failed at its first step) while this one imported torch
     while True:
         try:
             message = jobs.recv()

@@ -474,6 +474,45 @@ def test_a_process_killed_during_a_background_save_keeps_the_previous_checkpoint
             time.sleep(0.1)
 
 
+FIRST_STEP_FAILURE_SCRIPT = """
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+from lightning_colossal import ColossalDDPStrategy
+
+
+class FailsAtFirstStep(LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_index):
+        raise RuntimeError("the user's own first-step error")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+trainer = Trainer(
+    strategy=ColossalDDPStrategy(async_checkpoint=True), accelerator="cpu", devices=1, max_steps=2,
+    logger=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(FailsAtFirstStep(), DataLoader(torch.randn(8, 4), batch_size=2))
+"""
+
+
+def test_a_run_that_fails_at_its_first_step_shows_its_error_and_nothing_of_the_writer_process(tmp_path):
+    """The writer process starts with the fit and imports torch meanwhile; a fit that fails at once closes the pipe
+    before the process says it is ready, which must not add a BrokenPipeError traceback under the real error."""
+    script = tmp_path / "first_step_failure.py"
+    script.write_text(FIRST_STEP_FAILURE_SCRIPT)
+    result = run_python([str(script)], tmp_path, timeout=120)
+    assert result.returncode != 0
+    assert "the user's own first-step error" in result.stderr
+    assert "BrokenPipeError" not in result.stderr and "writer_child" not in result.stderr, result.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------------- staging and the argument
 def test_staging_copies_every_tensor_once_and_keeps_the_rest():
     weight = torch.arange(6.0).view(2, 3)

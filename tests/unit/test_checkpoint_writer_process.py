@@ -249,3 +249,28 @@ def test_without_shared_memory_saves_are_written_on_the_thread_quietly(tmp_path,
     assert not [warning for warning in caught if "writer process" in str(warning.message)]
     save_sharded(tmp_path / "sync.ckpt", state, {})
     assert_same(read_sharded(tmp_path / "last.ckpt"), read_sharded(tmp_path / "sync.ckpt"))
+
+
+def test_a_writer_process_whose_training_process_ended_before_it_was_ready_exits_quietly():
+    """A run that fails at its first step closes the pipes while the child still imports torch: the child's READY
+    then meets a closed pipe, which must not print a BrokenPipeError traceback under the run's real error."""
+    import subprocess
+    import sys
+
+    child_reads, parent_writes = os.pipe()
+    parent_reads, child_writes = os.pipe()
+    os.close(parent_reads)  # the training process is gone before the child says it is ready
+    child = subprocess.Popen(
+        [sys.executable, writer_child.__file__, str(child_reads), str(child_writes)],
+        pass_fds=(child_reads, child_writes),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    os.close(child_reads), os.close(child_writes)
+    try:
+        _, errors = child.communicate(timeout=120)
+    finally:
+        os.close(parent_writes)
+    assert child.returncode == 0
+    assert b"Traceback" not in errors and b"BrokenPipeError" not in errors, errors.decode()
