@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.split_gather import layout_for
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
@@ -35,6 +36,7 @@ class BertPolicy(ModelPolicy):
         return isinstance(module, BertPreTrainedModel)
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        internals.warn_if_untested()
         if context.split_gather:
             layout_for(model)  # refuses, naming why BERT has no split-gather layout
         refuse_sequence_parallel(context, "The BERT policy")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import base_model, no_cache
 from lightning_colossal.parallel.huggingface.sequence import (
     attach_sequence_parallelism,
@@ -76,6 +77,7 @@ class HuggingFacePlanPolicy(ModelPolicy):
         return isinstance(module, PreTrainedModel) and bool(getattr(config, "base_model_tp_plan", None))
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        internals.warn_if_untested()
         if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
             plan = self.parallelize(model, without_sequence_parallelism(context))
             attach_sequence_parallelism(model, context, plan)
@@ -257,7 +259,7 @@ def _causal_masks(
     The families name sliding windows two ways, and each forward reads its own: per layer in ``config.layer_types``
     (Qwen2, Qwen3, Gemma), or, without ``layer_types``, one mask for every layer that is windowed whenever
     ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    create_causal_mask, create_sliding_window_causal_mask = internals.causal_mask_builders("Pipeline stages")
 
     arguments = {"config": config, "inputs_embeds": hidden, "attention_mask": attention_mask}
     arguments.update(no_cache(create_causal_mask))

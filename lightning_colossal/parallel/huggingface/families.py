@@ -42,6 +42,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import base_model
 from lightning_colossal.parallel.huggingface.decoders import HuggingFacePlanPolicy
 from lightning_colossal.parallel.huggingface.sequence import attach_sequence_parallelism, without_sequence_parallelism
@@ -207,6 +208,7 @@ class FamilyPlanPolicy(ModelPolicy):
         return isinstance(module, PreTrainedModel) and model_type in FAMILY_PLANS
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        internals.warn_if_untested()
         if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
             plan = self.parallelize(model, without_sequence_parallelism(context))
             attach_sequence_parallelism(model, context, plan)

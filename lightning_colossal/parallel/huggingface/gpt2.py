@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import no_cache
 from lightning_colossal.parallel.huggingface.sequence import (
     attach_sequence_parallelism,
@@ -45,6 +46,7 @@ class GPT2Policy(ModelPolicy):
         return isinstance(module, GPT2PreTrainedModel)
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        internals.warn_if_untested()
         if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
             plan = self.parallelize(model, without_sequence_parallelism(context))
             attach_sequence_parallelism(model, context, plan)
@@ -129,8 +131,7 @@ class GPT2Stage(nn.Module):
             self.lm_head = model.lm_head if transformer is not model else nn.Identity()
 
     def forward(self, hidden: Tensor) -> Tensor:
-        from transformers.masking_utils import create_causal_mask
-
+        create_causal_mask, _ = internals.causal_mask_builders("GPT-2's pipeline stages")
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         if self.first:
             hidden = self.drop(self.wte(hidden) + self.wpe(position_ids))

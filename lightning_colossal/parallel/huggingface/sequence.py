@@ -67,6 +67,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_colossal.distributed import collectives, differentiable
+from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import arguments_by_name, base_model, without_cache
 from lightning_colossal.parallel.policy import ParallelPlan
 from lightning_colossal.parallel.sequence_layout import sequence_positions, shard_sequence, unshard_sequence
@@ -155,7 +156,7 @@ def attach_sequence_parallelism(model: nn.Module, context: ParallelContext, plan
     def restore() -> None:
         for each in configs.values():
             each._attn_implementation = inner
-        _unregister(name)
+        internals.unregister_attention(name)
 
     plan.attached.changed(
         model, f"{parallelism.mode}: config._attn_implementation {inner!r} -> {name!r} (restored on removal)", restore
@@ -220,11 +221,10 @@ def _check_model(model: nn.Module, model_type: str) -> None:
             f"Sequence parallelism splits token sequences (dim 1 of every batch tensor), but this '{model_type}' model"
             f" reads {model.main_input_name!r}: drop sp_size for it."
         )
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
     base, _ = base_model(model)
     # The loss the model computes from ``labels`` (``PreTrainedModel.loss_function``; causal LMs' by default).
-    if base is not model and getattr(model, "loss_function", None) is not LOSS_MAPPING["ForCausalLM"]:
+    causal_lm_loss = internals.causal_lm_loss("Sequence parallelism's loss over the whole sequence")
+    if base is not model and getattr(model, "loss_function", None) is not causal_lm_loss:
         raise ValueError(
             f"Sequence parallelism gives each sp rank a slice of every sequence; {type(model).__name__} is not a causal"
             " LM (its head may pool one token per sequence, which only one slice holds): parallelise its base model"
@@ -248,34 +248,19 @@ def _check_heads(config: Any, context: ParallelContext, model_type: str) -> None
 
 # ------------------------------------------------------------------------------------------------ registration
 def _register(name: str, parallelism: SequenceParallelism, inner: str) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     if parallelism.mode == "ulysses":
         attention = functools.partial(_ulysses_attention, parallelism, inner)
         mask = functools.partial(_ulysses_mask, parallelism, inner)
     else:
         attention = functools.partial(_ring_attention, parallelism)
         mask = functools.partial(_ring_mask, parallelism)
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, mask)
-
-
-def _unregister(name: str) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    # ``register`` writes the class-wide mapping; transformers has no unregister, so the entry is dropped there.
-    for interface in (AttentionInterface, AttentionMaskInterface):
-        interface._global_mapping.pop(name, None)
+    internals.register_attention(name, attention, mask, f"Sequence parallelism ({parallelism.mode})")
 
 
 def _inner_attention(inner: str, module: nn.Module) -> Callable[..., Any]:
     """The attention the model was configured with: ``sdpa``, or the family's own ``eager_attention_forward``."""
     if inner == "sdpa":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward
+        return internals.sdpa_attention("Ulysses sequence parallelism")
     eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
     if eager is None:
         raise ValueError(
@@ -360,11 +345,9 @@ def _ulysses_mask(
     **kwargs: Any,
 ) -> Any:
     """The configured attention's own mask for the whole sequence (attention sees all of it after the exchange)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
     kwargs.pop("q_offset", None), kwargs.pop("kv_offset", None)  # no cache: both 0
     padding = None if attention_mask is None else _gather_tokens(attention_mask, parallelism)
-    return ALL_MASK_ATTENTION_FUNCTIONS[inner](
+    return internals.mask_builder(inner, "Ulysses sequence parallelism")(
         batch_size=batch_size,
         q_length=q_length * parallelism.size,
         kv_length=kv_length * parallelism.size,
