@@ -9,8 +9,13 @@ A rank that did not use a parameter (an unused branch, an expert without tokens)
 the right contribution. But a parameter *no* rank used has no gradient at all in single-process torch (``grad is
 None``), and optimizers skip it: no weight decay, no momentum, no Adam step count. So each engine records which
 parameters received a gradient on this rank since the last optimizer step (also inside ``no_sync``), combines the
-records of all ranks after each reduction (``received_on_any_rank``, one small all-reduce) and gives the masters of
-parameters nobody gave a gradient none.
+records of all ranks after each reduction (``GradientArrivals.on_any_rank``, one small all-reduce) and gives the
+masters of parameters nobody gave a gradient none.
+
+The records are host flags (a ``bytearray``), never elements of a device tensor: the hook that records an arrival runs
+on the host, and on a GPU writing a Python number into one element of a device tensor (``flags[i] = 1.0``) is a
+blocking host-to-device copy, one wait for the GPU's queue to drain per parameter per step. They travel once per
+step, in the all-reduce that combines them, which a group of one rank skips.
 """
 
 from __future__ import annotations
@@ -43,13 +48,37 @@ class ShardedMaster:
     master: Tensor
 
 
-def received_on_any_rank(received: Tensor, group: ProcessGroup | None) -> list[bool]:
-    """Per flag of ``received`` (1.0 where this rank's parameter got a gradient), whether any rank of ``group`` set
-    it ([Note: gradients nobody produced]); ``received`` itself is left as it is."""
-    anywhere = received.clone()
-    with Activity("agreeing which parameters got a gradient on any rank"):
-        collectives.all_reduce(anywhere, op="max", group=group)
-    return anywhere.bool().tolist()
+class GradientArrivals:
+    """Which of ``count`` parameters (in an order every rank shares) got a gradient on this rank since ``clear``: one
+    host flag each ([Note: gradients nobody produced])."""
+
+    def __init__(self, count: int) -> None:
+        self._flags = bytearray(count)
+
+    def __len__(self) -> int:
+        return len(self._flags)
+
+    def mark(self, position: int) -> None:
+        self._flags[position] = 1
+
+    def mark_all(self) -> None:
+        self._flags[:] = b"\x01" * len(self._flags)
+
+    def clear(self) -> None:
+        self._flags[:] = bytes(len(self._flags))
+
+    def here(self) -> list[bool]:
+        """This rank's flags."""
+        return [bool(flag) for flag in self._flags]
+
+    def on_any_rank(self, group: ProcessGroup | None) -> list[bool]:
+        """Per flag, whether any rank of ``group`` set it; a group of one rank needs no collective."""
+        if collectives.world_size(group) == 1:
+            return self.here()
+        combined = torch.tensor(list(self._flags), dtype=torch.float32)  # float: gloo has no max of bytes
+        with Activity("agreeing which parameters got a gradient on any rank"):
+            collectives.all_reduce(combined, op="max", group=group)
+        return combined.bool().tolist()
 
 
 def owned_rows_of(tensor: Tensor, spec: ShardSpec) -> Tensor:

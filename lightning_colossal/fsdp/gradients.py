@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_colossal.distributed import collectives
-from lightning_colossal.distributed.in_flight import Activity
 from lightning_colossal.engine_parts.autograd_graph import leaves_reached_from
+from lightning_colossal.engine_parts.sharded_state import GradientArrivals
 from lightning_colossal.fsdp.wrap import parameter_groups
 
 
@@ -44,11 +42,12 @@ def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> bool:
 class UnusedGradientTracker:
     """Tracks, per optimizer step, which sharded parameters got a gradient on any rank (see the Note)."""
 
-    def __init__(self, module: nn.Module, device: torch.device, torch_reduces_unused: bool = True) -> None:
-        # Module order: the same on every rank, so the flags line up in the all-reduce (on the collective's device).
+    def __init__(self, module: nn.Module, torch_reduces_unused: bool = True) -> None:
+        # Module order: the same on every rank, so the flags line up in the all-reduce.
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         self._position_of = {id(parameter): position for position, parameter in enumerate(self.parameters)}
-        self.reached = torch.zeros(len(self.parameters), dtype=torch.float32, device=device)
+        # Host flags (sharded_state.py [Note: gradients nobody produced]): no device write per parameter per step.
+        self.reached = GradientArrivals(len(self.parameters))
         self.torch_reduces_unused = torch_reduces_unused
 
     def before_backward(self, loss: Tensor, module: nn.Module) -> Tensor:
@@ -58,14 +57,14 @@ class UnusedGradientTracker:
         does not reach, so each one gets a zero gradient and every rank's reduce-scatter has the same size."""
         reached = leaves_reached_from(loss)
         if reached is None:  # autograd_graph.py [Note: reentrant activation checkpoints hide their parameters]
-            self.reached.fill_(1.0)
+            self.reached.mark_all()
             return loss
         unreached: list[Tensor] = []
         for sharded, unsharded in _unsharded_parameters(module):
             if id(unsharded) in reached or id(sharded) in reached:
                 position = self._position_of.get(id(sharded))
                 if position is not None:
-                    self.reached[position] = 1.0
+                    self.reached.mark(position)
             elif unsharded.requires_grad:
                 unreached.append(unsharded)
         if self.torch_reduces_unused or not unreached:
@@ -77,13 +76,10 @@ class UnusedGradientTracker:
 
     def after_synchronising_backward(self) -> None:
         """After the backward that reduced gradients: drop the zero gradients of parameters no rank reached."""
-        reached_anywhere = self.reached.clone()
-        with Activity("agreeing which parameters got a gradient on any rank"):
-            collectives.all_reduce(reached_anywhere, op="max")
-        for parameter, reached in zip(self.parameters, reached_anywhere.bool().tolist(), strict=True):
+        for parameter, reached in zip(self.parameters, self.reached.on_any_rank(None), strict=True):
             if not reached:
                 parameter.grad = None
-        self.reached.zero_()
+        self.reached.clear()
 
 
 def _unsharded_parameters(module: nn.Module) -> list[tuple[nn.Parameter, Tensor]]:

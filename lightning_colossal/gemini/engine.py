@@ -378,7 +378,7 @@ class GeminiEngine(EngineDiskTier):
         if stepped:
             self.manager.masters_to_shards()
         self.manager.zero_gradients()
-        self.hooks.received.zero_()
+        self.hooks.received.clear()
 
     def release_all(self) -> None:
         """Release every gathered chunk (between stages; chunks stay valid, only the gathered copies go)."""

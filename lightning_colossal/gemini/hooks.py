@@ -151,7 +151,7 @@ class ChunkHooks:
             id(parameter): position
             for position, parameter in enumerate(p for chunk in manager.chunks for p in chunk.parameters)
         }
-        self.received = torch.zeros(len(self._flag_of), dtype=torch.float32, device=compute_device)
+        self.received = sharded_state.GradientArrivals(len(self._flag_of))
         # [Note: reductions launched at agreed points]
         self.reductions_wait_for_rounds = self.world_size > 1 and not collectives.sends_directly(process_group)
 
@@ -312,12 +312,12 @@ class ChunkHooks:
         else:
             # Per chunk "someone asked", then "anyone asked", then minus this rank's complete chunks (a MAX of
             # negated counts is minus the smallest: [Note: reductions launched at agreed points]).
-            flags = torch.zeros(len(chunks) + 2, dtype=torch.float32, device=self.compute_device)
-            if requested:
-                flags[sorted(requested)] = 1.0
-            if requested or still_running:
-                flags[-2] = 1.0
-            flags[-1] = -float(self._complete_in_order()) if self.reductions_wait_for_rounds else 0.0
+            # Built on the host: written element by element into a device tensor, each flag would be a blocking
+            # copy (sharded_state.py [Note: gradients nobody produced]); the small all-reduce moves it once.
+            values = [1.0 if index in requested else 0.0 for index in range(len(chunks))]
+            values.append(1.0 if requested or still_running else 0.0)
+            values.append(-float(self._complete_in_order()) if self.reductions_wait_for_rounds else 0.0)
+            flags = torch.tensor(values, dtype=torch.float32)
             with Activity(_describe_round, requested, chunks):
                 collectives.all_reduce(flags, op="max", group=self.process_group)
             agreed = flags.tolist()
@@ -432,7 +432,7 @@ class ChunkHooks:
         assert parameter.grad is not None
         chunk.member_full(full_gradient, member).add_(parameter.grad)
         parameter.grad = None
-        self.received[self._flag_of[id(parameter)]] = 1.0
+        self.received.mark(self._flag_of[id(parameter)])
         chunk.gradients_arrived += 1
         self._queue_end_of_backward()
         self._reduce_in_order(force=False)
@@ -488,7 +488,7 @@ class ChunkHooks:
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
         self._expect_every_gradient()
-        received = sharded_state.received_on_any_rank(self.received, self.process_group)
+        received = self.received.on_any_rank(self.process_group)
         self.manager.attach_master_gradients(lambda parameter: received[self._flag_of[id(parameter)]])
         self.tracer.finish()
 

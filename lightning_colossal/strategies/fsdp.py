@@ -131,9 +131,7 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
-            self._gradient_tracker = UnusedGradientTracker(
-                self.lightning_module, self.root_device, torch_reduces_unused
-            )
+            self._gradient_tracker = UnusedGradientTracker(self.lightning_module, torch_reduces_unused)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:

@@ -290,7 +290,7 @@ class ZeroEngine(EngineDiskTier):
     def _attach_master_gradients(self) -> None:
         """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows; masters
         of parameters that no rank gave a gradient get none (sharded_state.py [Note: gradients nobody produced])."""
-        received = sharded_state.received_on_any_rank(self.reducer.received, self.process_group)
+        received = self.reducer.received.on_any_rank(self.process_group)
         offset = 0
         copies: list[tuple[Tensor, Tensor]] = []
         for member, master, member_received in zip(self.members, self.masters, received, strict=True):

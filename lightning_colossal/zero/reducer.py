@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.in_flight import Activity, RecordedWork
+from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.rows import ShardSpec
 from lightning_colossal.zero.layout import plan_buckets
 
@@ -101,7 +102,7 @@ class GradientReducer:
         self._member_of = {id(member.parameter): member for member in members}
         # One flag per member, in ``members`` order (sharded_state.py [Note: gradients nobody produced]).
         self._position_of = {id(member.parameter): position for position, member in enumerate(members)}
-        self.received = torch.zeros(len(members), dtype=torch.float32, device=self.device)
+        self.received = sharded_state.GradientArrivals(len(members))
 
     # ---------------------------------------------------------------------------------------------- stage specifics
     def bucket_numel_of(self, member: ReducedParameter) -> int:
@@ -174,12 +175,12 @@ class GradientReducer:
 
     def zero_gradients(self) -> None:
         """Start a new optimizer step: clear the reduced gradients (and stage 1's full gradients)."""
-        self.received.zero_()
+        self.received.clear()
         self._zero_own_gradients()
 
     # ---------------------------------------------------------------------------------------------- backward
     def _on_gradient(self, parameter: Tensor) -> None:
-        self.received[self._position_of[id(parameter)]] = 1.0
+        self.received.mark(self._position_of[id(parameter)])
         if not self._communicates_now():
             return
         if not self._callback_queued:

@@ -8,7 +8,8 @@ What it is made of, and why each piece:
 - ``FakeTensorMode``: tensors created inside carry a device (``cuda``) and a shape but no data, so a model of any
   size costs nothing, and an operation mixing a host tensor with a device tensor raises, as on a GPU.
 - ``Scalars``: reading a value (``.item()``, ``.tolist()``, ``bool(tensor)``) answers 0 (``True`` for booleans):
-  "no overflow", "every parameter got a gradient", so the engines go down their ordinary path.
+  "no overflow", "every parameter got a gradient", so the engines go down their ordinary path. It also counts, in
+  ``DeviceWork``, what each operation would make a real GPU's host wait for and the kernels it would launch.
 - ``FakeRuntime`` replaces the real device runtime in ``lightning_colossal.distributed.device``: the engines' one
   door to ``torch.cuda`` ([Note: copies between host and device] there).
 - ``CollectiveRecorder`` replaces torch.distributed's collectives: torch's own functions ask the CUDA driver about
@@ -24,6 +25,7 @@ tensor's values, CUDA streams and events, and NCCL's own ordering rules across c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -43,13 +45,93 @@ from lightning_colossal.distributed import device as devices
 GPU_BYTES = 80 * 2**30
 
 
+@dataclass
+class DeviceWork:
+    """What the operations run so far would make a real GPU's host wait for, and the kernels they would launch.
+
+    Counted as the fake tier runs them, so a test can say, per optimizer step, what a GPU would pay that a CPU step
+    never shows (there, a copy is free and a scalar read costs nothing):
+
+    - ``scalar_reads``: ``.item()``, ``.tolist()``, ``bool()``, ``float()`` of a device tensor: the host waits for the
+      queue to drain, then copies the value back.
+    - ``scalar_writes``: a Python number (or host tensor) written into elements of a device tensor
+      (``flags[i] = 1.0``): torch makes the number a host tensor and copies it over synchronously.
+    - ``host_to_device_copies``: copies from host memory onto the device. This tier cannot pin (``FakeRuntime``), and
+      from pageable memory CUDA synchronises the stream before the copy starts, so each is a wait.
+    - ``device_to_host_copies``: copies the other way (their wait is the synchronisation that follows them, below).
+    - ``synchronizations``: waits for the device through ``distributed/device.py``.
+    - ``data_dependent_shapes``: operations whose output shape depends on values (``nonzero``, boolean masks): the
+      host must read the values to allocate the output.
+    - ``kernels``: device operations that are not views.
+    """
+
+    scalar_reads: int = 0
+    scalar_writes: int = 0
+    host_to_device_copies: int = 0
+    device_to_host_copies: int = 0
+    synchronizations: int = 0
+    data_dependent_shapes: int = 0
+    kernels: int = 0
+
+    @property
+    def waits(self) -> int:
+        """Every time the host would wait for the device."""
+        return (
+            self.scalar_reads
+            + self.scalar_writes
+            + self.host_to_device_copies
+            + self.synchronizations
+            + self.data_dependent_shapes
+        )
+
+    def snapshot(self) -> DeviceWork:
+        return dataclasses.replace(self)
+
+    def since(self, earlier: DeviceWork) -> DeviceWork:
+        """The work done after ``earlier`` (a ``snapshot``)."""
+        return DeviceWork(
+            **{item.name: getattr(self, item.name) - getattr(earlier, item.name) for item in dataclasses.fields(self)}
+        )
+
+
+_DATA_DEPENDENT = {
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.unique_dim.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.repeat_interleave.Tensor,
+}
+
+
+def _on_device(value: Any) -> bool:
+    return isinstance(value, FakeTensor) and value.device.type == "cuda"
+
+
 class Scalars(TorchDispatchMode):
-    """Values read from fake tensors: 0, or ``True`` for booleans."""
+    """Values read from fake tensors (0, or ``True`` for booleans), and every device operation counted in ``work``."""
+
+    def __init__(self, work: DeviceWork) -> None:
+        super().__init__()
+        self.work = work
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            if args[0].device.type == "cuda":
+                self.work.scalar_reads += 1
             return True if args[0].dtype == torch.bool else 0
-        return func(*args, **(kwargs or {}))
+        flat = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        if any(_on_device(value) for value in flat):
+            if func in _DATA_DEPENDENT:
+                self.work.data_dependent_shapes += 1
+            if func is torch.ops.aten.copy_.default and not _on_device(args[0]):
+                self.work.device_to_host_copies += 1
+            elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+                if torch.device(kwargs["device"]).type == "cpu":
+                    self.work.device_to_host_copies += 1
+            if not func.is_view:
+                self.work.kernels += 1
+        return func(*args, **kwargs)
 
 
 class FakeRuntime:
@@ -207,7 +289,7 @@ def _basic_view(tensor: torch.Tensor, index: Any) -> torch.Tensor | None:
 
 
 @contextmanager
-def _cuda_tensor_methods() -> Iterator[None]:
+def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
     """What this CPU build cannot do with fake CUDA tensors, done at the Python level: basic indexing (``__getitem__``
     asks for CUDA support; the same view through ``narrow``/``select`` is a plain view op), and copies into or onto
     the device (``copy_``, ``to``), which become shape-checked allocations."""
@@ -222,19 +304,33 @@ def _cuda_tensor_methods() -> Iterator[None]:
 
     def setitem(tensor: torch.Tensor, index: Any, value: Any) -> None:
         if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda":
+            if not _on_device(value):  # a Python number or a host tensor: copied over synchronously
+                work.scalar_writes += 1
             view = _basic_view(tensor, index)
             if view is not None:
                 view.copy_(value) if isinstance(value, torch.Tensor) else view.fill_(value)
                 return
         set_item(tensor, index, value)
 
-    copy, to = torch.Tensor.copy_, torch.Tensor.to
+    copy, to, tolist = torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.tolist
+
+    def tolist_(tensor: torch.Tensor) -> Any:
+        # One read, as on a GPU (one copy back, one wait), where fake tensors would read element by element.
+        if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda":
+            work.scalar_reads += 1
+            with _disable_current_modes():
+                value = torch.ones if tensor.dtype == torch.bool else torch.zeros
+                return tolist(value(tensor.shape, dtype=tensor.dtype))
+        return tolist(tensor)
 
     def copy_(target: torch.Tensor, source: Any, non_blocking: bool = False) -> torch.Tensor:
         # Into a fake CUDA tensor this build's copy asks for CUDA support: check what a copy checks (the shapes
         # broadcast), move no values (there are none).
         if isinstance(target, FakeTensor) and target.device.type == "cuda" and isinstance(source, torch.Tensor):
             torch.broadcast_shapes(target.shape, source.shape)
+            work.kernels += 1
+            if not _on_device(source):
+                work.host_to_device_copies += 1
             return target
         return copy(target, source, non_blocking=non_blocking)
 
@@ -244,16 +340,21 @@ def _cuda_tensor_methods() -> Iterator[None]:
             dtype = kwargs.get("dtype", next((arg for arg in args if isinstance(arg, torch.dtype)), tensor.dtype))
             if tensor.device.type == "cuda" and dtype == tensor.dtype:
                 return tensor
+            work.kernels += 1
+            if tensor.device.type != "cuda":
+                work.host_to_device_copies += 1
             return torch.empty(tensor.shape, dtype=dtype, device="cuda")
         return to(tensor, *args, **kwargs)
 
     torch.Tensor.__getitem__, torch.Tensor.__setitem__ = getitem, setitem  # type: ignore[method-assign]
     torch.Tensor.copy_, torch.Tensor.to = copy_, to_  # type: ignore[method-assign,assignment]
+    torch.Tensor.tolist = tolist_  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get_item, set_item  # type: ignore[method-assign]
         torch.Tensor.copy_, torch.Tensor.to = copy, to  # type: ignore[method-assign]
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
 
 
 @dataclass
@@ -262,7 +363,13 @@ class FakeCluster:
     rank: int
     recorder: CollectiveRecorder
     runtime: FakeRuntime
+    work: DeviceWork
     device: torch.device = torch.device("cuda", 0)
+
+    def device_work(self) -> DeviceWork:
+        """What ran so far, the runtime's synchronisations included (a ``snapshot`` to subtract later)."""
+        self.work.synchronizations = len(self.runtime.synchronized)
+        return self.work.snapshot()
 
 
 @contextmanager
@@ -291,10 +398,11 @@ def fake_cluster(world_size: int, rank: int = 0) -> Iterator[FakeCluster]:
         with ExitStack() as stack:
             stack.enter_context(collectives.declared_backend_devices("fake", ("cuda",)))
             stack.enter_context(devices.substituted(runtime))
-            stack.enter_context(_cuda_tensor_methods())
+            work = DeviceWork()
+            stack.enter_context(_cuda_tensor_methods(work))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-            stack.enter_context(Scalars())
-            yield FakeCluster(world_size, rank, recorder, runtime)
+            stack.enter_context(Scalars(work))
+            yield FakeCluster(world_size, rank, recorder, runtime, work)
     finally:
         DeviceMesh.__init__ = mesh_init  # type: ignore[method-assign]
         for name in recorder.replacements():
