@@ -312,15 +312,15 @@ def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
                 return
         set_item(tensor, index, value)
 
-    copy, to, tolist = torch.Tensor.copy_, torch.Tensor.to, torch.Tensor.tolist
+    copy, to, tolist = torch.Tensor.copy_, torch.Tensor.to, FakeTensor.tolist
 
     def tolist_(tensor: torch.Tensor) -> Any:
         # One read, as on a GPU (one copy back, one wait), where fake tensors would read element by element.
-        if isinstance(tensor, FakeTensor) and tensor.device.type == "cuda":
+        if tensor.device.type == "cuda":
             work.scalar_reads += 1
             with _disable_current_modes():
                 value = torch.ones if tensor.dtype == torch.bool else torch.zeros
-                return tolist(value(tensor.shape, dtype=tensor.dtype))
+                return value(tensor.shape, dtype=tensor.dtype).tolist()
         return tolist(tensor)
 
     def copy_(target: torch.Tensor, source: Any, non_blocking: bool = False) -> torch.Tensor:
@@ -348,13 +348,13 @@ def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
 
     torch.Tensor.__getitem__, torch.Tensor.__setitem__ = getitem, setitem  # type: ignore[method-assign]
     torch.Tensor.copy_, torch.Tensor.to = copy_, to_  # type: ignore[method-assign,assignment]
-    torch.Tensor.tolist = tolist_  # type: ignore[method-assign]
+    FakeTensor.tolist = tolist_  # type: ignore[method-assign]
     try:
         yield
     finally:
         torch.Tensor.__getitem__, torch.Tensor.__setitem__ = get_item, set_item  # type: ignore[method-assign]
         torch.Tensor.copy_, torch.Tensor.to = copy, to  # type: ignore[method-assign]
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        FakeTensor.tolist = tolist  # type: ignore[method-assign]
 
 
 @dataclass
