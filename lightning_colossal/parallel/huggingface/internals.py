@@ -14,8 +14,9 @@ class-wide ``_global_mapping``), the causal LM loss (``LOSS_MAPPING["ForCausalLM
 What a getter cannot check by importing (the meaning of what it returns: the mask functions' index-based signature,
 the packed-sequence reading of ``position_ids`` without a mask, the count Falcon's attention caches) is exercised by
 ``tests/unit/test_transformers_internals.py``, one test per internal on the installed version: a new release that
-moves one of them fails that named test. ``TESTED_TRANSFORMERS`` is the range the whole suite passed on; the extras in
-``pyproject.toml`` and ``docs/huggingface.md`` name the same range. Outside it, ``warn_if_untested`` says so once per
+moves one of them fails that named test. ``TESTED_TRANSFORMERS`` is the range the suite was run on (its oldest and
+newest releases; ``docs/huggingface.md`` says which tier on which); the test extra in ``pyproject.toml`` and that page
+name the same range. Outside it, ``warn_if_untested`` says so once per
 process when a policy first splits a model.
 """
 
@@ -25,7 +26,7 @@ import functools
 import warnings
 from typing import Any
 
-#: The ``transformers`` releases the whole test suite passed on (the test extra in ``pyproject.toml`` pins the same).
+#: The ``transformers`` releases the test suite was run on (the test extra in ``pyproject.toml`` pins the same).
 TESTED_TRANSFORMERS = ">=5.23,<5.26"
 
 
