@@ -50,8 +50,8 @@ REFUSED = {
     "t5": "cross-attention",
     "switch_transformers": "cross-attention",
     "vit": "[CLS]",
-    # Tensor parallelism itself refuses OLMoE (packed experts): that refusal comes first.
-    "olmoe": "moe_tp_experts",
+    # Tensor parallelism itself refuses OLMoE (its plan's styles): that refusal comes first.
+    "olmoe": "are not applied here",
 }
 
 

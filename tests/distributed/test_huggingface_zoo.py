@@ -250,9 +250,9 @@ def make_strategy(name: str, family: str) -> Any:
 
 # Families the hybrid strategy refuses before training, with the exception and the fix its message names.
 REFUSED_BY_HYBRID: dict[str, tuple[type[Exception], str]] = {
-    # Packed experts (3-D gate_up_proj/down_proj) and q/k norms over all heads: its base_model_tp_plan's styles
-    # gather outputs and split packed tensors, which the plan policy does not apply.
-    "olmoe": (ValueError, r"moe_tp_experts.*Train it with tp_size=1"),
+    # q/k norms over all heads (and, before transformers 5.25, packed 3-D experts): its base_model_tp_plan's styles
+    # gather outputs ("colwise_gather_output"; "moe_tp_experts" before 5.25), which the plan policy does not apply.
+    "olmoe": (ValueError, r"are not applied here.*Train it with tp_size=1"),
 }
 # Experts that get no token on a rank: DistributedDataParallel's error names the fix.
 UNUSED_PARAMETERS = {"switch_transformers"}
