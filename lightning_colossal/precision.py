@@ -13,8 +13,9 @@ so every rank skips the same step and the replicas never diverge. It costs one s
 [Note: non-finite values without a loss scaler]
 Under ``32-true``, ``bf16-mixed`` and ``bf16-true`` nothing skips a step whose loss or gradients are inf/nan, and one
 such step turns every weight into nan. So after backward each rank checks its loss (flagged in ``pre_backward``, on
-the device, without a host sync per micro-batch) and its gradient shards (the fused kernel fp16 uses, with scale 1),
-and the ranks vote with one all-reduce of a ``2 * world_size`` flag vector: like [Note: overflow is global] every
+the device, without a host sync per micro-batch) and its gradient shards (read only: each tensor's L1 norm, which is
+inf/nan exactly when the tensor holds one, or when its absolute values sum past the float32 range), and the ranks vote
+with one all-reduce of a ``2 * world_size`` flag vector: like [Note: overflow is global] every
 rank then takes the same decision, and the vector also says *which* ranks saw a bad loss or bad gradients, so the
 message names where the fault started (a nan loss on one rank spreads to every rank's gradients through the
 reduction). ``on_nonfinite`` chooses: ``"raise"`` (default) raises ``FloatingPointError`` on every rank before the
@@ -22,6 +23,10 @@ step, so the weights and the last checkpoint stay finite; ``"skip"`` skips the s
 fp16 scaler; ``"warn"`` warns and steps anyway. ``"raise"`` is the default because without a scaler a non-finite
 value is not a routine event: it means divergence or bad data, and a run that skips every later step would burn its
 budget without training. ``16-mixed`` keeps the scaler's behaviour (skip and back off), which already votes.
+
+The flags stay on the device until the vote's one read: on a GPU the check costs one wait per step (the read the
+decision needs before the step), not one per flag, copy and collective (a loss read, a flag copied back, the vote
+moved to the device and back: four before), and no pass that writes every gradient.
 
 [Note: clipping belongs to the engine]
 Lightning clips through the precision plugin and only passes the optimizer. A sharded engine must compute the
@@ -276,8 +281,8 @@ class ColossalPrecision(Precision):
         if self.loss_scaler is not None:
             tensor = tensor * self.loss_scaler.scale
         else:
-            bad = ~torch.isfinite(tensor.detach()).all()
-            self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss | bad
+            bad = torch.isfinite(tensor.detach()).all().logical_not()
+            self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss.logical_or(bad)
         return super().pre_backward(tensor, module)
 
     def optimizer_step(  # type: ignore[override]
@@ -348,20 +353,30 @@ class ColossalPrecision(Precision):
     def nonfinite_ranks(self, optimizer: Optimizer) -> tuple[list[int], list[int]]:
         """The ranks whose loss (since the last step) and whose gradient shards hold an inf/nan, agreed by all ranks.
 
-        One all-reduce (MAX) of a ``2 * world_size`` vector of flags over the plugin's process group.
+        One all-reduce (MAX) of a ``2 * world_size`` vector of flags over the plugin's process group, built where the
+        gradients are and read once ([Note: non-finite values without a loss scaler]).
         """
         gradients = optimizer_gradients(optimizer)
         world_size, rank = collectives.world_size(self.process_group), collectives.rank(self.process_group)
-        # On the host: the collective moves it to the group's device ([Note: small collectives on the group's device]).
-        flags = torch.zeros(2 * world_size)
-        if self._nonfinite_loss is not None:
-            flags[rank] = float(self._nonfinite_loss)
+        gradient_flag = _nonfinite_flag(gradients)
+        loss_flag = self._nonfinite_loss
         self._nonfinite_loss = None
-        # Multiplying by 1 changes no finite gradient.
-        flags[world_size + rank] = float(_check_and_unscale(gradients, 1.0))
-        with Activity("voting on non-finite losses and gradients"):
-            collectives.all_reduce(flags, op="max", group=self.process_group)
-        seen = flags.cpu().tolist()
+        here = torch.stack(
+            [
+                torch.zeros((), device=gradient_flag.device)
+                if loss_flag is None
+                else devices.to_device(loss_flag.float(), gradient_flag.device),
+                gradient_flag,
+            ]
+        )
+        if world_size == 1:
+            seen = here.tolist()
+        else:
+            flags = torch.zeros(2, world_size, device=here.device)
+            flags[:, rank] = here
+            with Activity("voting on non-finite losses and gradients"):
+                collectives.all_reduce(flags, op="max", group=self.process_group)
+            seen = flags.reshape(-1).tolist()
         return (
             [index for index in range(world_size) if seen[index] > 0],
             [index for index in range(world_size) if seen[world_size + index] > 0],
@@ -446,22 +461,46 @@ def _cast_floating(tensor: Tensor, dtype: torch.dtype) -> Tensor:
     return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
 
 
-def _check_and_unscale(gradients: Sequence[Tensor], inverse_scale: float) -> Tensor:
-    """Multiply ``gradients`` by ``inverse_scale`` in place; a host scalar, 1.0 if any held an inf/nan.
-
-    The fused kernel takes one device and dtype per call, with its flag and scale on that device: gradients spread
-    over a GPU and the host (Gemini's mixed placement, offloaded masters) get a flag per device, combined here.
-    """
-    found = torch.zeros(())
+def _by_device_and_dtype(
+    gradients: Sequence[Tensor],
+) -> tuple[torch.device, dict[tuple[torch.device, torch.dtype], list[Tensor]]]:
+    """``gradients`` grouped for the fused kernels (one device and dtype per call), and the device their flags are
+    combined on: the first accelerator among them, the host otherwise."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for gradient in gradients:
         groups.setdefault((gradient.device, gradient.dtype), []).append(gradient)
-    for (device, _), group in groups.items():
-        found_here = torch.zeros(1, device=device)
+    accelerators = [device for device, _ in groups if devices.is_accelerator(device)]
+    return (accelerators[0] if accelerators else torch.device("cpu")), groups
+
+
+def _nonfinite_flag(gradients: Sequence[Tensor]) -> Tensor:
+    """A 0-d float tensor, 1.0 if any of ``gradients`` holds an inf/nan (read only: per-tensor L1 norms in float32,
+    [Note: non-finite values without a loss scaler]); on the combining device, not read here."""
+    device, groups = _by_device_and_dtype(gradients)
+    found = torch.zeros((), device=device)
+    for (group_device, _), group in groups.items():
+        norms = torch._foreach_norm(group, 1, dtype=torch.float32)
+        bad = torch.stack(norms).isfinite().logical_not().any().float()
+        found = torch.maximum(found, bad if group_device == device else devices.to_device(bad, device))
+    return found
+
+
+def _check_and_unscale(gradients: Sequence[Tensor], inverse_scale: float) -> Tensor:
+    """Multiply ``gradients`` by ``inverse_scale`` in place; a 0-d float tensor, 1.0 if any held an inf/nan, on the
+    combining device and not read here.
+
+    The fused kernel takes one device and dtype per call, with its flag and scale on that device: gradients spread
+    over a GPU and the host (Gemini's mixed placement, offloaded masters) get a flag per device, combined on one.
+    """
+    device, groups = _by_device_and_dtype(gradients)
+    found = torch.zeros((), device=device)
+    for (group_device, _), group in groups.items():
+        found_here = torch.zeros(1, device=group_device)
         torch._amp_foreach_non_finite_check_and_unscale_(
-            group, found_here, torch.full((1,), inverse_scale, device=device)
+            group, found_here, torch.full((1,), inverse_scale, device=group_device)
         )
-        found = torch.maximum(found, devices.to_host(found_here)[0])
+        flag = found_here[0] if group_device == device else devices.to_device(found_here[0], device)
+        found = torch.maximum(found, flag)
     return found
 
 

@@ -1,6 +1,8 @@
-"""A nan loss on one rank without a loss scaler (``precision.py`` [Note: non-finite values without a loss scaler]).
+"""A nan loss, or a nan gradient under a finite loss, on one rank without a loss scaler (``precision.py`` [Note:
+non-finite values without a loss scaler]).
 
-Rank 1 alone multiplies its loss by nan at step ``POISONED_STEP``. With ``on_nonfinite="skip"`` every rank must skip
+Rank 1 alone multiplies its loss by nan at step ``POISONED_STEP`` (or adds a term whose value is 0 and whose gradient
+is nan: the loss stays finite and only the gradient check can see it). With ``on_nonfinite="skip"`` every rank must skip
 that step together and land on the oracle that skips it; with ``"raise"`` every rank must raise a
 ``FloatingPointError`` that names the step and rank 1 (as the source of the bad loss) before any weight changes.
 Without the check the nan reaches every weight through the gradient reduction, so these tests fail when it is removed.
@@ -29,9 +31,24 @@ def _poison(module: Any, loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def _poison_gradient(module: Any, batch: Any, loss: torch.Tensor) -> torch.Tensor:
+    """The same loss value, and nan gradients: a term over the model's output (a second forward, as sharded engines
+    need) whose value is 0 and whose derivative is sqrt's at 0 (inf) times 0."""
+    if module.global_step != POISONED_STEP:
+        return loss
+    inputs, _ = batch
+    zero = module.model(inputs) * 0  # every rank runs the same forwards (sharded engines gather in them)
+    return loss + (zero.sqrt() if module.global_rank == POISONED_RANK else zero).sum()
+
+
 class NanLossOnRankOne(RegressionModule):
     def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
         return _poison(self, super().training_step(batch, batch_index))
+
+
+class NanGradientOnRankOne(RegressionModule):
+    def training_step(self, batch: Any, batch_index: int) -> torch.Tensor:
+        return _poison_gradient(self, batch, super().training_step(batch, batch_index))
 
 
 class NanLossOnRankOneGPT(hybrid_bodies.TinyGPTModule):
@@ -51,7 +68,7 @@ def _strategy(name: str) -> Any:
     }[name]()
 
 
-def nan_loss_body(name: str, action: str, precision: str) -> dict[str, Any]:
+def nan_loss_body(name: str, action: str, precision: str, poisoned: str = "loss") -> dict[str, Any]:
     plugin = ColossalPrecision(precision, on_nonfinite=action)  # type: ignore[arg-type]
     trainer_kwargs = {"max_steps": STEPS, "plugins": [plugin], "devices": torch.distributed.get_world_size()}
     if name == "hybrid_tp2":
@@ -62,7 +79,8 @@ def nan_loss_body(name: str, action: str, precision: str) -> dict[str, Any]:
         strategy: Any = HybridParallelStrategy(tp_size=2)
     else:
         module = new_module()
-        module.__class__ = NanLossOnRankOne  # same initial weights as the oracle's module
+        # Same initial weights as the oracle's module.
+        module.__class__ = NanLossOnRankOne if poisoned == "loss" else NanGradientOnRankOne
         strategy = _strategy(name)
     trainer = quiet_trainer(strategy=strategy, **trainer_kwargs)
     try:
@@ -132,3 +150,28 @@ def test_bf16_nan_loss_skips_on_every_rank_and_stays_in_lock_step(rank_pool_2):
     torch.testing.assert_close(results[1]["weights"], results[0]["weights"], rtol=0, atol=0)
     oracle = oracle_train(world_size=2, steps=STEPS, skip_steps=(POISONED_STEP,), autocast_dtype=torch.bfloat16)
     torch.testing.assert_close(results[0]["weights"], oracle.parameters, rtol=2e-2, atol=2e-3)
+
+
+GRADIENT_ROWS = [
+    name if name in ("zero2", "gemini") else pytest.param(name, marks=pytest.mark.slow) for name in NAMES[:-1]
+]
+
+
+@pytest.mark.parametrize("name", GRADIENT_ROWS)
+def test_a_nan_gradient_under_a_finite_loss_skips_the_step_on_every_rank(rank_pool_2, name):
+    """Only the gradient check sees it: the loss flags nothing, and the skip must still land on the oracle."""
+    results = rank_pool_2.run(nan_loss_body, name, "skip", "32-true", "gradient", timeout=120)
+    for result in results:
+        assert result["error"] is None and result["skipped"] == 1, result.get("error") or result["skipped"]
+    oracle = oracle_train(world_size=2, steps=STEPS, skip_steps=(POISONED_STEP,))
+    torch.testing.assert_close(results[1]["weights"], results[0]["weights"], rtol=0, atol=0)
+    torch.testing.assert_close(results[0]["weights"], oracle.parameters, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_nan_gradient_raises_naming_gradients_not_the_loss(rank_pool_2, precision):
+    results = rank_pool_2.run(nan_loss_body, "zero2", "raise", precision, "gradient", timeout=120)
+    for result in results:
+        error = result["error"]
+        assert error is not None, "a nan gradient was trained on"
+        assert "non-finite loss on rank(s) none" in error and "non-finite gradients on rank(s) [" in error, error

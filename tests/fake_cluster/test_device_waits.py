@@ -118,3 +118,38 @@ if __name__ == "__main__":
         for blocks in (2, 4):
             work = run(blocks)
             print(f"{name:16s} {work.parameters:3d} parameters  backward {work.backward}  step {work.step}")
+
+
+def vote_work(world_size: int, precision: str, offloaded: bool) -> DeviceWork:
+    """The precision plugin's per-step check over a GPT's gradients (on the host when ``offloaded``), after a loss."""
+    from lightning_colossal.precision import ColossalPrecision
+
+    model_on_meta = _gpt(4)
+    with fake_cluster(world_size, rank=world_size - 1) as cluster:
+        model = materialise(model_on_meta, "cpu" if offloaded else "cuda")
+        for parameter in model.parameters():
+            parameter.grad = torch.empty(parameter.shape, device=parameter.device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        plugin = ColossalPrecision(precision)  # type: ignore[arg-type]
+        start = cluster.device_work()
+        if plugin.loss_scaler is None:
+            plugin._nonfinite_loss = (
+                torch.isfinite(torch.empty((), device="cuda")).all().logical_not()
+            )  # pre_backward's
+            assert plugin.nonfinite_ranks(optimizer) == ([], [])
+        else:
+            assert plugin.unscale_and_check(optimizer) is False
+        return cluster.device_work().since(start)
+
+
+@pytest.mark.parametrize("world_size", [1, 8])
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_the_nonfinite_check_waits_once_per_step_and_writes_no_gradient(world_size, precision):
+    """One read for the decision the step needs (step, skip or raise); the flags are made and voted on the device."""
+    work = vote_work(world_size, precision, offloaded=False)
+    assert work.waits == 1, work
+
+
+def test_offloaded_gradients_add_one_copy_to_the_check():
+    work = vote_work(8, "32-true", offloaded=True)
+    assert work.waits <= 2, work  # the host's flag to the device, and the read
