@@ -4,29 +4,33 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.disk.optimizer_state import DiskOptimizerState
-from lightning_colossal.engine_parts import sharded_state
+from lightning_colossal.engine_parts import optimizer_takeover, sharded_state
 from lightning_colossal.engine_parts.stand_ins import deferred_of
 
 
 class EngineDiskTier:
     """An engine's ``disk_state`` (``None`` without a disk tier) behind the methods ``EngineStrategy`` calls
-    (``engine_protocol.StepsOptimizer``). The engine sets ``disk_state``, ``process_group`` and ``optimizer``."""
+    (``engine_protocol.StepsOptimizer``). The engine sets ``disk_state``, ``process_group``, ``optimizer`` and ``compute_device``."""
 
     disk_state: DiskOptimizerState | None
     process_group: ProcessGroup
     optimizer: Optimizer | None
+    compute_device: torch.device
 
     def step_optimizer(self, optimizer: Optimizer, **kwargs: Any) -> Any:
-        """``optimizer.step(**kwargs)``, streaming the state on disk through the disk tier."""
+        """``optimizer.step(**kwargs)``, streaming the state on disk through the disk tier; host masters with torch's
+        fused kernel ([Note: the host step runs torch's fused kernel] in ``engine_parts/optimizer_takeover.py``)."""
         if self.disk_state is None:
-            return optimizer.step(**kwargs)
-        return self.disk_state.step(self.process_group, **kwargs)
+            with optimizer_takeover.fused_host_step(optimizer, self.compute_device):
+                return optimizer.step(**kwargs)
+        return self.disk_state.step(self.process_group, **kwargs)  # the tier steps each record's masters the same way
 
     def release_checkpoint_copies(self) -> None:
         """Drop the host copies of on-disk optimizer state a checkpoint read (unchanged since: nothing to write)."""

@@ -473,7 +473,10 @@ class DiskOptimizerState:
             raise failures[0]
 
     def _step_only(self, keep: set[int]) -> Any:
-        with optimizer_takeover.narrowed_to(self.optimizer, keep):
+        # The records' masters are in host memory now: the fused kernel, as masters kept in memory step
+        # (engine_parts/optimizer_takeover.py [Note: the host step runs torch's fused kernel]).
+        narrowed = optimizer_takeover.narrowed_to(self.optimizer, keep)
+        with narrowed, optimizer_takeover.fused_host_step(self.optimizer, self.beside):
             self._streaming = True
             try:
                 return self.optimizer.step()

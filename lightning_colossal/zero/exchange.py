@@ -156,10 +156,12 @@ def step_overlapping_exchange(
     exchange: ParameterExchange,
     masters_by_bucket: list[list[Tensor]],
     publish_rows: Callable[[Bucket], None],
+    compute_device: torch.device,
 ) -> None:
     """One optimizer step, bucket by bucket, each bucket's exchange started before the next bucket steps ([Note:
     exchange overlapped with the step]). ``publish_rows`` writes a stepped bucket's masters into its parameters' rows
-    (separate masters only). Masters in no bucket (parameters the engine keeps whole) step last, together."""
+    (separate masters only). Masters in no bucket (parameters the engine keeps whole) step last, together; offloaded
+    ones with torch's fused kernel (``optimizer_takeover.fused_host_step``)."""
     in_buckets = {id(master) for masters in masters_by_bucket for master in masters}
     rest = {
         id(master) for group in optimizer.param_groups for master in group["params"] if id(master) not in in_buckets
@@ -173,7 +175,8 @@ def step_overlapping_exchange(
             work.wait()
 
     for index, (bucket, masters) in enumerate(zip(buckets, masters_by_bucket, strict=True)):
-        with optimizer_takeover.narrowed_to(optimizer, {id(master) for master in masters}):
+        narrowed = optimizer_takeover.narrowed_to(optimizer, {id(master) for master in masters})
+        with narrowed, optimizer_takeover.fused_host_step(optimizer, compute_device):
             optimizer.step()
         with torch.no_grad():
             publish_rows(bucket)
@@ -184,7 +187,10 @@ def step_overlapping_exchange(
         if work is not None:
             in_flight.append((index, work))
     if rest:
-        with optimizer_takeover.narrowed_to(optimizer, rest):
+        with (
+            optimizer_takeover.narrowed_to(optimizer, rest),
+            optimizer_takeover.fused_host_step(optimizer, compute_device),
+        ):
             optimizer.step()
     while in_flight:
         wait_oldest()

@@ -12,6 +12,7 @@ on these models) is a wait per parameter tensor per step on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -153,3 +154,38 @@ def test_the_nonfinite_check_waits_once_per_step_and_writes_no_gradient(world_si
 def test_offloaded_gradients_add_one_copy_to_the_check():
     work = vote_work(8, "32-true", offloaded=True)
     assert work.waits <= 2, work  # the host's flag to the device, and the read
+
+
+@pytest.mark.parametrize("mode", ["zero2_offload", "gemini_offload"])
+def test_offloaded_masters_step_with_the_fused_host_kernel(mode, monkeypatch):
+    """[Note: the host step runs torch's fused kernel]: AdamW left to torch steps offloaded masters with the fused CPU
+    kernel (torch alone would run its per-tensor loop on them). (Masters on fake GPUs cannot step here: torch's
+    foreach AdamW reads its step count, which this tier answers with 0.)"""
+    calls: list[set[str]] = []
+    fused = torch._fused_adamw_
+
+    def spy(params, *args, **kwargs):
+        calls.append({parameter.device.type for parameter in params})
+        return fused(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    model_on_meta = _gpt(2)
+    with fake_cluster(WORLD_SIZE, rank=5) as cluster:
+        mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
+        model = materialise(model_on_meta, "cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if mode.startswith("zero2"):
+            config = ZeroConfig(stage=2, cpu_offload=mode.endswith("offload"), bucket_size_mb=0.0001)
+            engine: Any = ZeroEngine(model, optimizer, config, mesh, cluster.device)
+        else:
+            placement = StaticPlacement(offload_optim_frac=1.0) if mode.endswith("offload") else StaticPlacement()
+            engine = GeminiEngine(
+                model, optimizer, GeminiConfig(placement=placement, chunk_numel=8192), mesh, cluster.device
+            )
+            for chunk in engine.manager.chunks:
+                engine.manager.gather(chunk)
+        run_backward_hooks(model)
+        engine.step_optimizer(optimizer)
+        engine.after_step(stepped=True)
+    assert all(group["fused"] is None for group in optimizer.param_groups), "the user's setting is back after the step"
+    assert calls and all(devices == {"cpu"} for devices in calls), calls
