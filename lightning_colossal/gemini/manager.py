@@ -134,7 +134,7 @@ class ChunkManager:
             master_location = Location.OFFLOAD if spec.index in plan.offload_optimizer else Location.COMPUTE
             if spec.frozen:
                 master_location = shard_location  # nothing steps a frozen chunk: layout.py [Note: frozen chunks]
-            shard = torch.zeros(spec.shard_numel, dtype=dtype, device=self.device_of(shard_location))
+            shard = self._zeros(spec.shard_numel, dtype, shard_location)
             # A shard that automatic placement will bring onto the compute device cannot share storage with a
             # master the optimizer keeps on the CPU.
             will_move = spec.index in plan.start_offloaded and self.offload_device != compute_device
@@ -152,7 +152,7 @@ class ChunkManager:
                 master = placeholder(shard, torch.float32)
                 master_on_disk = True
             else:
-                master = torch.zeros(spec.shard_numel, dtype=torch.float32, device=self.device_of(master_location))
+                master = self._zeros(spec.shard_numel, torch.float32, master_location)
             chunk = Chunk(
                 spec=spec,
                 shard=shard,
@@ -172,6 +172,14 @@ class ChunkManager:
 
     def device_of(self, location: Location) -> torch.device:
         return self.compute_device if location is Location.COMPUTE else self.offload_device
+
+    def _zeros(self, numel: int, dtype: torch.dtype, location: Location) -> Tensor:
+        """A chunk's zeroed shard, master or gradient at ``location``: in host memory beside a GPU, pinned, so that
+        the copies to and from the GPU run asynchronously (from pageable memory each one waits for the GPU's queue)."""
+        device = self.device_of(location)
+        if device.type == "cpu":
+            return devices.host_buffer(numel, dtype, beside=self.compute_device, zeroed=True)
+        return torch.zeros(numel, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------------------------------------- gather
     def gather(self, chunk: Chunk, asynchronous: bool = False) -> None:
@@ -415,9 +423,7 @@ class ChunkManager:
             self._count_working_set(-chunk_gradient_bytes(pending.chunk))
             chunk = pending.chunk
             if chunk.gradient is None:
-                chunk.gradient = torch.zeros(
-                    chunk.spec.shard_numel, dtype=torch.float32, device=self.device_of(chunk.master_location)
-                )
+                chunk.gradient = self._zeros(chunk.spec.shard_numel, torch.float32, chunk.master_location)
             result = pending.result
             if result.device != chunk.gradient.device:
                 # Offloaded optimizer: the sum comes to the host once per chunk and is read there only after the copy

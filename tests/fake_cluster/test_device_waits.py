@@ -189,3 +189,25 @@ def test_offloaded_masters_step_with_the_fused_host_kernel(mode, monkeypatch):
         engine.after_step(stepped=True)
     assert all(group["fused"] is None for group in optimizer.param_groups), "the user's setting is back after the step"
     assert calls and all(devices == {"cpu"} for devices in calls), calls
+
+
+def test_gemini_offloaded_chunks_live_in_host_buffers_pinned_beside_the_gpu(monkeypatch):
+    """Masters, shards and gradient shards of offloaded chunks come from ``device.host_buffer`` beside the GPU (pinned
+    on a real one: copies from pageable memory each wait for the GPU's queue). This tier cannot pin, so the request
+    is what is checked."""
+    from lightning_colossal.distributed import device as devices
+
+    requested: list[tuple[int, torch.dtype, str]] = []
+    host_buffer = devices.host_buffer
+
+    def spy(numel: int, dtype: torch.dtype, beside: torch.device, zeroed: bool = False) -> torch.Tensor:
+        requested.append((numel, dtype, beside.type))
+        return host_buffer(numel, dtype, beside, zeroed)
+
+    monkeypatch.setattr(devices, "host_buffer", spy)
+    work = gemini_step(2, StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0))
+    assert work.parameters > 0
+    kinds = {(dtype, beside) for _, dtype, beside in requested}
+    assert kinds == {(torch.float32, "cuda")}, kinds
+    # Shards and masters of every chunk (fp32 shards are their own masters), then a gradient shard per chunk.
+    assert len(requested) >= 2, requested
