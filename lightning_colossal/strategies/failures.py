@@ -132,6 +132,16 @@ class FailureReportingMixin(ParallelStrategy):
             exception.add_note(f"lightning_colossal watchdog: {status}.")
 
 
+def explain_in_message(exception: BaseException, explanation: str) -> None:
+    """Put ``explanation`` (what went wrong in the user's terms, and the fix) at the head of ``exception``'s own
+    message, the torch message after it: a note prints under the traceback, where a reader who stops at the first line
+    (or a tool that logs ``str(error)``) never sees it. Exceptions whose arguments are not one message get a note."""
+    if len(exception.args) == 1 and isinstance(exception.args[0], str):
+        exception.args = (f"{explanation}\n(torch said: {exception.args[0]})",)
+    else:
+        exception.add_note(explanation)
+
+
 def announce_child_exits_before_the_launcher_stops_all(first_child_rank: int) -> None:
     """Make Lightning's popen launcher say which rank died before it kills every rank.
 

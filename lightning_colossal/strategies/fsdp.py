@@ -47,6 +47,7 @@ from lightning_colossal.fsdp import (
 )
 from lightning_colossal.fsdp.initialise import DEFAULT_INIT_WINDOW_BYTES, initialise_shards, storage_free_template
 from lightning_colossal.strategies.base import ColossalStrategy
+from lightning_colossal.strategies.failures import explain_in_message
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 from lightning_colossal.strategies.plain_weights import give_back_plain_weights
 
@@ -206,15 +207,16 @@ class ColossalFSDPStrategy(ColossalStrategy):
     def _annotate_failure(self, exception: BaseException) -> None:
         super()._annotate_failure(exception)
         if isinstance(exception, RuntimeError) and "mixed torch.Tensor and DTensor" in str(exception):
-            exception.add_note(
-                "Outside a forward, colossal_fsdp holds each parameter as a DTensor shard of this rank. For a loss term"
+            explain_in_message(
+                exception,
+                "colossal_fsdp: outside a forward, each parameter is a DTensor shard of this rank. For a loss term"
                 " over the parameters themselves (an L2 penalty, a regulariser) compute it inside `with"
                 " self.trainer.strategy.whole_parameters():` in training_step, on every rank; its gradient is exact, as"
-                " under Lightning's ddp."
+                " under Lightning's ddp.",
             )
         if isinstance(exception, RuntimeError) and "data is not allocated yet" in str(exception):
             # What torch says when Lightning's grad_norm(module) reads DTensor gradients (see grad_norm_limitation).
-            exception.add_note(self._grad_norm_limitation_message())
+            explain_in_message(exception, self._grad_norm_limitation_message())
 
     def on_exception(self, exception: BaseException) -> None:
         # Teardown follows; after a failure other ranks may never reach its collectives, so it must not gather.

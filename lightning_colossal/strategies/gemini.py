@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement
 from lightning_colossal.gemini import GeminiEngine
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
+from lightning_colossal.strategies.failures import explain_in_message
 from lightning_colossal.strategies.model_summary import count_whole_parameters_in_model_summary
 
 # What torch says when an op meets a chunked parameter's empty 1-D placeholder ("mat2 must be a matrix, got 1-D
@@ -124,7 +125,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         super()._annotate_failure(exception)
         if self.engine is not None and isinstance(exception, RuntimeError):
             if _PLACEHOLDER_SYMPTOM.search(str(exception)):
-                exception.add_note(PLACEHOLDER_HINT)
+                explain_in_message(exception, PLACEHOLDER_HINT)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is None:

@@ -136,7 +136,7 @@ def lightning_grad_norm_body(spec: StrategySpec, reader: str = "grad_norm") -> d
             trainer.fit(module)
             error = ""
         except Exception as exception:  # noqa: BLE001 - the message is the result
-            error = f"{type(exception).__name__}: {exception} {getattr(exception, '__notes__', [])}"
+            error = f"{type(exception).__name__}: {exception}"  # the message alone, not notes under the traceback
     messages = [str(warning.message) for warning in caught if "grad_norm" in str(warning.message)]
     return {"norms": module.grad_norms, "error": error, "warnings": messages}
 

@@ -89,7 +89,8 @@ def penalised_fit_body(spec: StrategySpec, where: str, inside_context: bool) -> 
     try:
         trainer.fit(module)
     except Exception as error:  # noqa: BLE001 - the message is the result
-        return {"error": f"{type(error).__name__}: {error} {getattr(error, '__notes__', '')}"}
+        # The message alone: a fix only in a note prints under the traceback, where the first line never shows it.
+        return {"error": f"{type(error).__name__}: {error}"}
     return {"weights": float_state(module)}
 
 
