@@ -12,8 +12,8 @@ size, split into ``--tensors`` tensors, as an engine's host shards are) with eac
   ``benchmark-deepspeed`` extra) and its CPU Adam builds here.
 
 The bound: an Adam step must read the parameter, its gradient and two moments and write three of them back, 28 bytes
-per fp32 parameter; the host's bandwidth is measured in the same invocation with ``torch.add(a, b, out=c)`` over
-arrays larger than the caches (12 bytes per element), on the same threads. A step's time is the median over
+per fp32 parameter; the host's bandwidth is measured in the same invocation with ``a += b`` over arrays larger than
+the caches (12 bytes per element, in place as Adam's updates are), on the same threads, after each size's rounds. A step's time is the median over
 ``--repeats`` rounds (after ``--warmup``), the implementations in a seeded random order each round, so a shared
 machine's drift falls on all of them alike. Threads: ``--threads`` (default: every core torch sees).
 """
@@ -42,14 +42,14 @@ IMPLEMENTATIONS = ("loop", "foreach", "engines", "deepspeed")
 
 
 def measure_bandwidth(elements: int, repeats: int) -> float:
-    """Bytes per second of ``c = a + b`` over ``elements`` fp32 elements (read two, write one), the median of
-    ``repeats``."""
-    a, b, c = torch.rand(elements), torch.rand(elements), torch.empty(elements)
-    torch.add(a, b, out=c)
+    """Bytes per second of ``a += b`` over ``elements`` fp32 elements (read both, write ``a`` back: 12 bytes, and no
+    store to memory it did not read, as in Adam's in-place updates), the median of ``repeats``."""
+    a, b = torch.rand(elements), torch.rand(elements)
+    a.add_(b)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.add(a, b, out=c)
+        a.add_(b)
         times.append(time.perf_counter() - start)
     return 12 * elements / statistics.median(times)
 
@@ -107,7 +107,7 @@ def run_size(million: float, arguments: argparse.Namespace, implementations: lis
         order_random.shuffle(order)
         for name in order:
             times[name].append(steppers[name].step())
-    bandwidth = measure_bandwidth(max(elements, 50_000_000), arguments.repeats)
+    bandwidth = measure_bandwidth(max(elements, 50_000_000), 2 * arguments.repeats + 1)
     bound = BYTES_PER_ADAM_PARAMETER * elements / bandwidth
     rows = {}
     for name, measured in times.items():
