@@ -218,24 +218,32 @@ class Stage2Reducer(GradientReducer):
         assert bucket.received is not None
         slots = bucket.received.view(self.world_size - 1, bucket.numel)
         me = collectives.rank(self.process_group)
-        total = self.acquire(bucket.dtype, bucket.numel)
-        for member in bucket.members:
-            numel = member.spec.local_numel
-            if numel == 0:
-                continue
-            offset = member.bucket_offset
-            contributions = [
-                self._rows_for(bucket, member, me) if rank == me else slots[rank - (rank > me), offset : offset + numel]
+        members = [member for member in bucket.members if member.spec.local_numel]
+        if members:
+            targets = [
+                self.accumulator[member.accumulator_offset : member.accumulator_offset + member.spec.local_numel]
+                for member in members
+            ]
+            by_rank = [
+                [self._rows_for(bucket, member, me) for member in members]
+                if rank == me
+                else [
+                    slots[rank - (rank > me), m.bucket_offset : m.bucket_offset + m.spec.local_numel] for m in members
+                ]
                 for rank in range(self.world_size)
             ]
             # Added in rank order in the bucket's dtype, then averaged into the accumulator: the staged route's bits.
-            summed = total[offset : offset + numel]
-            summed.copy_(contributions[0])
-            for contribution in contributions[1:]:
-                summed.add_(contribution)
-            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
-            target.add_(summed, alpha=1.0 / self.world_size)
-        self.release(total)
+            # One foreach call per rank over the bucket's members, not one small kernel per member and rank.
+            if self.world_size == 1:
+                torch._foreach_add_(targets, by_rank[0])  # its own sum: nothing to add up first
+            else:
+                total = self.acquire(bucket.dtype, bucket.numel)
+                sums = [total[m.bucket_offset : m.bucket_offset + m.spec.local_numel] for m in members]
+                torch._foreach_copy_(sums, by_rank[0])
+                for contributions in by_rank[1:]:
+                    torch._foreach_add_(sums, contributions)
+                torch._foreach_add_(targets, sums, alpha=1.0 / self.world_size)
+                self.release(total)
         self.release(bucket.received)
         bucket.received = None
         bucket.held = None

@@ -308,3 +308,12 @@ def test_manual_optimization_is_rejected_with_the_fix(rank_pool_2, stage):
         assert "manual" in message.lower(), message
         # The fix: go back to automatic optimization, or use a strategy that supports manual optimization.
         assert "automatic_optimization" in message or "colossal_ddp" in message, message
+
+
+@pytest.mark.parametrize("stage", [1, 2], ids=["stage1", "stage2"])
+def test_one_rank_matches_the_oracle_bit_for_bit(rank_pool_1, stage):
+    """At one rank nothing is reduced: the engine's own bookkeeping (a gradient summed into its accumulator, a
+    bucket completed without partners) must leave one process's exact bits."""
+    results = rank_pool_1.run(train_zero_body, STEPS, 1, None, "norm", "32-true", {"stage": stage})
+    assert_matches_oracle(results, oracle_train(world_size=1, steps=STEPS), 1, rtol=0, atol=0)
+    _assert_trained(results[0]["parameters"])
