@@ -169,10 +169,10 @@ def _gradients(optimizer: Optimizer) -> list[Tensor]:
 def _counted_pieces(gradients: list[Tensor]) -> list[Tensor]:
     """FSDP: DTensor shards (a rank's may be empty, which torch's max-norm refuses). Each element is counted on one
     rank: its shard's owner, at coordinate 0 of every mesh dimension that replicates it."""
-    return [piece for gradient in gradients if (piece := _counted_piece(gradient)) is not None]
+    return [piece for gradient in gradients if (piece := counted_piece(gradient)) is not None]
 
 
-def _counted_piece(gradient: Tensor) -> Tensor | None:
+def counted_piece(gradient: Tensor) -> Tensor | None:
     """The part of ``gradient`` this rank counts in a norm summed over all ranks (``None``: none of it)."""
     if not isinstance(gradient, DTensor):
         return gradient if collectives.rank() == 0 and gradient.numel() else None  # whole on every rank

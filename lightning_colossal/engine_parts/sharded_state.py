@@ -21,7 +21,7 @@ step, in the all-reduce that combines them, which a group of one rank skips.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,3 +293,32 @@ def _by_device(tensors: list[Tensor]) -> list[list[Tensor]]:
     for tensor in tensors:
         groups.setdefault(tensor.device, []).append(tensor)
     return list(groups.values())
+
+
+def norms_by_name(
+    names: Sequence[str],
+    pieces: Mapping[str, Tensor | None],
+    process_group: ProcessGroup | None,
+    device: torch.device,
+    norm_type: float = 2.0,
+) -> dict[str, Tensor]:
+    """The ``norm_type`` norm of each of ``names``' gradients over ``process_group``'s ranks, for the names that have
+    one on any rank. ``pieces`` holds the names with a gradient on this rank, each with the piece of it this rank
+    counts (``None``: none of it; every element is counted on exactly one rank). ``names`` is the same list, in the
+    same order, on every rank: one all-reduce of two values per name (the powers, accumulated in fp64 as in
+    ``global_norm``, and whether the rank has a gradient)."""
+    values = torch.zeros(2, len(names), dtype=torch.float64, device=device)
+    for index, name in enumerate(names):
+        if name not in pieces:
+            continue
+        values[1, index] = 1.0
+        piece = pieces[name]
+        if piece is None or not piece.numel():
+            continue
+        norm = torch.linalg.vector_norm(piece.detach(), norm_type, dtype=torch.float32).double().to(device)
+        values[0, index] = norm if norm_type == math.inf else norm.pow(norm_type)
+    with Activity("summing per-parameter gradient norms"):
+        collectives.all_reduce(values, op="max" if norm_type == math.inf else "sum", group=process_group)
+    norms = values[0] if norm_type == math.inf else values[0].pow(1.0 / norm_type)
+    present = values[1].tolist()  # one read, after the collective
+    return {name: norms[index].float() for index, name in enumerate(names) if present[index] > 0}

@@ -43,10 +43,11 @@ from lightning_colossal.config import (
     validate_nonfinite_action,
     validate_start_method,
 )
+from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.engine_parts.pretrained import has_pretrained_weights, materialise_whole
 from lightning_colossal.engine_parts.running_statistics import follow_first_replica, modules_with_running_statistics
-from lightning_colossal.precision import ColossalPrecision, to_colossal_precision
+from lightning_colossal.precision import ColossalPrecision, counted_piece, to_colossal_precision
 from lightning_colossal.strategies.callback_refusals import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
 from lightning_colossal.strategies.docstrings import complete_argument_docs
@@ -216,7 +217,8 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         return (
             f"{self.strategy_name or type(self).__name__}: in `on_before_optimizer_step`, {self.grad_norm_limitation()}."
             " To log the gradient norm, log `self.trainer.strategy.gradient_norm(norm_type)` there instead: the norm of"
-            " the whole gradient, computed over every rank's shard (call it on every rank)."
+            " the whole gradient, computed over every rank's shard (call it on every rank); for grad_norm's"
+            " per-parameter dict, `self.log_dict(self.trainer.strategy.gradient_norms(self, norm_type))`."
         )
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -282,6 +284,69 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
             )
         self._gradient_norm_asked = True  # the hook logs the norm the way that works here: no warning
         return self.precision_plugin.gradient_clipper.gradient_norm(_unwrap_optimizer(self.optimizers[0]), norm_type)
+
+    def gradient_norms(
+        self, module: torch.nn.Module | None = None, norm_type: float | str = 2.0, group_separator: str = "/"
+    ) -> dict[str, torch.Tensor]:
+        """Lightning's ``grad_norm(module, norm_type)``, the same keys and values as under ``ddp``, computed from every
+        rank's gradient shards: where ``grad_norm`` itself reads ``parameter.grad``, which ZeRO-2 and Gemini leave
+        empty and FSDP keeps as DTensor shards. Call it on every rank (one collective), where ``gradient_norm`` can be
+        called::
+
+            def on_before_optimizer_step(self, optimizer):
+                self.log_dict(self.trainer.strategy.gradient_norms(self, norm_type=2))
+
+        Args:
+            module: the LightningModule (default) or one of its submodules; keys name parameters relative to it.
+            norm_type: as ``grad_norm``'s: a positive number, or ``"inf"``.
+            group_separator: as ``grad_norm``'s, between ``grad_<p>_norm`` and each name.
+
+        Returns:
+            ``{"grad_<p>_norm<separator><name>": norm, ..., "grad_<p>_norm_total": norm}`` for the parameters with a
+            gradient on any rank, 0-dimensional float32 tensors, the same on every rank.
+        """
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+        if not self.optimizers:
+            raise RuntimeError(
+                "gradient_norms() measures the gradients an optimizer will step on, and this run has no optimizer yet:"
+                " call it during fit, from on_before_optimizer_step (or after manual_backward)."
+            )
+        root = self.lightning_module
+        assert root is not None
+        module = root if module is None else module
+        prefix = next((f"{name}." if name else "" for name, each in root.named_modules() if each is module), None)
+        if prefix is None:
+            raise ValueError(
+                "gradient_norms(module) reads the gradients of the LightningModule's parameters: pass the module or one"
+                " of its submodules (e.g. self or self.model)."
+            )
+        names = [name for name, _ in module.named_parameters()]
+        pieces, group = self._gradient_pieces()
+        self._gradient_norm_asked = True  # the hook logs norms the way that works here: no warning
+        norms = sharded_state.norms_by_name(
+            [prefix + name for name in names], pieces, group, self.root_device, norm_type
+        )
+        result = {
+            f"grad_{norm_type}_norm{group_separator}{name}": norms[prefix + name]
+            for name in names
+            if prefix + name in norms
+        }
+        if result:
+            result[f"grad_{norm_type}_norm_total"] = torch.stack(list(result.values())).norm(norm_type)
+        return result
+
+    def _gradient_pieces(self) -> tuple[dict[str, torch.Tensor | None], Any]:
+        """Per name of a LightningModule parameter with a gradient on this rank, the piece of it this rank counts in
+        a sum over all ranks (``precision.counted_piece``), and the group to sum over (the world)."""
+        assert self.lightning_module is not None
+        pieces = {
+            name: counted_piece(parameter.grad)
+            for name, parameter in self.lightning_module.named_parameters()
+            if parameter.grad is not None
+        }
+        return pieces, None
 
     @contextmanager
     def whole_parameters(self) -> Generator[None, None, None]:

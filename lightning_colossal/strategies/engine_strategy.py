@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
+from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine, StepsOptimizer
 from lightning_colossal.precision import plain_step
 from lightning_colossal.strategies.base import ColossalStrategy
@@ -159,6 +160,25 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         return output
 
     # ---------------------------------------------------------------------------------------------- checkpoints
+    def _gradient_pieces(self) -> tuple[dict[str, Any], Any]:
+        """From the engine's masters: this rank's rows of each gradient (a replicated one counted on rank 0 only),
+        summed over the engine's data-parallel group; parameters' own ``.grad`` is empty under ZeRO-2 and Gemini."""
+        masters = getattr(self.engine, "sharded_masters", None)
+        if masters is None:
+            raise ValueError(
+                f"gradient_norms() is not available under {self.strategy_name or type(self).__name__}: its engine keeps"
+                " no per-parameter record of gradient rows to read them from (tensor- and pipeline-parallel pieces of"
+                " each parameter). Log `self.trainer.strategy.gradient_norm()`, the norm of the whole gradient, instead."
+            )
+        group = self.engine.process_group  # type: ignore[union-attr]
+        rank = collectives.rank(group)
+        pieces = {
+            entry.name: entry.master.grad if rank == 0 or not entry.spec.replicated else None
+            for entry in masters
+            if entry.master.grad is not None
+        }
+        return pieces, group
+
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:

@@ -157,10 +157,12 @@ def test_lightning_grad_norm_logs_ddp_norms_or_warns_once_naming_gradient_norm(r
     rank_zero = results[0]
     if strategy_name == "fsdp":  # fails inside grad_norm; the error names the fix
         assert "trainer.strategy.gradient_norm(norm_type)" in rank_zero["error"], rank_zero
+        assert "trainer.strategy.gradient_norms(self, norm_type)" in rank_zero["error"], rank_zero
         return
     assert rank_zero["error"] == "" and all(norms == {} for norms in rank_zero["norms"])
     assert len(rank_zero["warnings"]) == 1, rank_zero["warnings"]
     assert "trainer.strategy.gradient_norm(norm_type)" in rank_zero["warnings"][0]
+    assert "trainer.strategy.gradient_norms(self, norm_type)" in rank_zero["warnings"][0]  # grad_norm's own dict
 
 
 def test_no_grad_norm_warning_when_the_hook_asks_gradient_norm(rank_pool_2):
@@ -193,3 +195,84 @@ def hybrid_gradient_norm_body(strategy_kwargs: dict[str, Any]) -> list[dict[floa
 def test_gradient_norm_under_tensor_and_pipeline_parallelism(rank_pool_2, case):
     expected = hybrid_oracle(dp_size=1, steps=STEPS)["gradient_norms"]
     assert_norms_match(rank_pool_2.run(hybrid_gradient_norm_body, HYBRID_CASES[case], timeout=300), expected, 1e-4)
+
+
+# ---------------------------------------------------------------------------------- gradient_norms(module): grad_norm's dict
+class LogsPerParameterNorms(RegressionModule):
+    """Per step: ``grad_norm``'s dicts (``reader="grad_norm"``, meaningful where ``.grad`` is whole) or the strategy's
+    ``gradient_norms`` (``reader="strategy"``), for the module and a submodule, at norm 2, 1 and inf."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.reader = reader
+        self.per_step: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        from lightning.pytorch.utilities import grad_norm
+
+        logged: dict[str, float] = {}
+        for module, tag in ((self, "module"), (self.model.hidden, "submodule")):
+            for norm_type in (2, 1, "inf"):
+                if self.reader == "strategy":
+                    norms = self.trainer.strategy.gradient_norms(module, norm_type)
+                else:
+                    norms = grad_norm(module, norm_type)
+                logged.update({f"{tag}:{key}": float(value) for key, value in norms.items()})
+        self.per_step.append(logged)
+
+
+def per_parameter_norms_body(spec: StrategySpec, reader: str) -> dict[str, Any]:
+    import warnings
+
+    seed_everything(MODEL_SEED, verbose=False)
+    module = LogsPerParameterNorms(reader)
+    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=STEPS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    return {"norms": module.per_step, "warnings": [str(w.message) for w in caught if "grad_norm" in str(w.message)]}
+
+
+@pytest.mark.parametrize(
+    "strategy_name",
+    [
+        "zero2",
+        "gemini",
+        "fsdp",
+        *(pytest.param(name, marks=pytest.mark.slow) for name in ("ddp", "zero1", "gemini_offload")),
+    ],
+)
+def test_gradient_norms_give_grad_norm_s_dict_under_ddp(rank_pool_2, strategy_name):
+    """The same keys and values as Lightning's ``grad_norm`` under ddp, for the module and a submodule, at three
+    norms, computed from the shards; no warning about grad_norm (the hook asked the strategy)."""
+    reference = rank_pool_2.run(per_parameter_norms_body, DDP, "grad_norm", timeout=120)[0]["norms"]
+    assert len(reference) == STEPS and all(reference)
+    assert any(key.startswith("submodule:grad_inf_norm/") for key in reference[0])
+    for result in rank_pool_2.run(per_parameter_norms_body, STRATEGIES[strategy_name], "strategy", timeout=120):
+        assert result["warnings"] == []
+        for step, (got, expected) in enumerate(zip(result["norms"], reference, strict=True)):
+            assert set(got) == set(expected), (step, sorted(set(got) ^ set(expected)))
+            for key, value in expected.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+
+
+class AsksPerParameterNormsGPT(TinyGPTModule):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.trainer.strategy.gradient_norms(self)
+
+
+def hybrid_per_parameter_norms_body() -> str:
+    from lightning_colossal import HybridParallelStrategy
+
+    seed_everything(MODEL_SEED, verbose=False)
+    trainer = quiet_trainer(strategy=HybridParallelStrategy(tp_size=2), devices=2, max_steps=1)
+    try:
+        trainer.fit(AsksPerParameterNormsGPT())
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_gradient_norms_under_tensor_parallelism_is_refused_naming_gradient_norm(rank_pool_2):
+    for message in rank_pool_2.run(hybrid_per_parameter_norms_body, timeout=300):
+        assert "gradient_norms() is not available" in message and "gradient_norm()" in message, message
