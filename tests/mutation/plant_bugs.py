@@ -192,8 +192,8 @@ BUGS = [
         (
             (
                 "lightning_colossal/zero/stages.py",
-                "target.add_(summed, alpha=1.0 / self.world_size)",
-                "target.add_(summed, alpha=1.0)",
+                "torch._foreach_add_(targets, sums, alpha=1.0 / self.world_size)",
+                "torch._foreach_add_(targets, sums, alpha=1.0)",
             ),
         ),
         (f"{DIST}/test_zero_oracle.py", NEW_SCALE),
