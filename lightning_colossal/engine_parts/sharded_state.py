@@ -55,9 +55,6 @@ class GradientArrivals:
     def __init__(self, count: int) -> None:
         self._flags = bytearray(count)
 
-    def __len__(self) -> int:
-        return len(self._flags)
-
     def mark(self, position: int) -> None:
         self._flags[position] = 1
 
@@ -227,13 +224,18 @@ def clip_by_global_norm(
     return scale_to_global_norm(gradients, counted_gradients(masters, rank), max_norm, process_group, device)
 
 
+def counted_gradient(entry: ShardedMaster, rank: int) -> Tensor | None:
+    """What of ``entry``'s master gradient this rank contributes to a norm over all ranks: its shard, a replicated one
+    on rank 0 only (``None``: nothing)."""
+    gradient = entry.master.grad
+    if gradient is None or not gradient.numel() or (rank != 0 and entry.spec.replicated):
+        return None
+    return gradient
+
+
 def counted_gradients(masters: Sequence[ShardedMaster], rank: int) -> list[Tensor]:
     """The master gradients this rank contributes to a global norm: its shards, and replicated ones on rank 0 only."""
-    return [
-        entry.master.grad
-        for entry in masters
-        if entry.master.grad is not None and entry.master.grad.numel() and (rank == 0 or not entry.spec.replicated)
-    ]
+    return [gradient for entry in masters if (gradient := counted_gradient(entry, rank)) is not None]
 
 
 def global_norm(
@@ -303,22 +305,26 @@ def norms_by_name(
     norm_type: float = 2.0,
 ) -> dict[str, Tensor]:
     """The ``norm_type`` norm of each of ``names``' gradients over ``process_group``'s ranks, for the names that have
-    one on any rank. ``pieces`` holds the names with a gradient on this rank, each with the piece of it this rank
-    counts (``None``: none of it; every element is counted on exactly one rank). ``names`` is the same list, in the
-    same order, on every rank: one all-reduce of two values per name (the powers, accumulated in fp64 as in
-    ``global_norm``, and whether the rank has a gradient)."""
-    values = torch.zeros(2, len(names), dtype=torch.float64, device=device)
-    for index, name in enumerate(names):
-        if name not in pieces:
-            continue
-        values[1, index] = 1.0
-        piece = pieces[name]
-        if piece is None or not piece.numel():
-            continue
-        norm = torch.linalg.vector_norm(piece.detach(), norm_type, dtype=torch.float32).double().to(device)
-        values[0, index] = norm if norm_type == math.inf else norm.pow(norm_type)
+    one on any rank. ``pieces`` holds the names with a gradient on this rank (others are ignored), each with the piece
+    of it this rank counts (``None`` or empty: none of it; every element is counted on exactly one rank). ``names`` is
+    the same list, in the same order, on every rank: one all-reduce of two values per name (the powers, accumulated in
+    fp64 as in ``global_norm``, and whether the rank has a gradient), built without a value written per name."""
+    index_of = {name: index for index, name in enumerate(names)}
+    present = [1.0 if name in pieces else 0.0 for name in names]
+    values = torch.tensor([[0.0] * len(names), present], dtype=torch.float64).to(device)  # one copy
+    counted: dict[torch.device, tuple[list[int], list[Tensor]]] = {}
+    for name, piece in pieces.items():
+        if name in index_of and piece is not None and piece.numel():
+            indices, tensors = counted.setdefault(piece.device, ([], []))
+            indices.append(index_of[name])
+            tensors.append(piece.detach())
+    for indices, tensors in counted.values():
+        # Per-tensor norms in one fused pass per device, as global_norm's.
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=torch.float32)).double().to(device)
+        powers = norms if norm_type == math.inf else norms.pow(norm_type)
+        values[0].index_copy_(0, torch.tensor(indices).to(device), powers)
     with Activity("summing per-parameter gradient norms"):
         collectives.all_reduce(values, op="max" if norm_type == math.inf else "sum", group=process_group)
-    norms = values[0] if norm_type == math.inf else values[0].pow(1.0 / norm_type)
-    present = values[1].tolist()  # one read, after the collective
-    return {name: norms[index].float() for index, name in enumerate(names) if present[index] > 0}
+    norms = (values[0] if norm_type == math.inf else values[0].pow(1.0 / norm_type)).float().unbind()
+    agreed = values[1].tolist()  # one read, after the collective
+    return {name: norms[index] for index, name in enumerate(names) if agreed[index] > 0}

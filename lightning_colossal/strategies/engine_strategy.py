@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine, StepsOptimizer
 from lightning_colossal.precision import plain_step
 from lightning_colossal.strategies.base import ColossalStrategy
@@ -159,7 +160,6 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
             self.engine.after_step(stepped=not self.precision_plugin.last_step_skipped)
         return output
 
-    # ---------------------------------------------------------------------------------------------- checkpoints
     def _gradient_pieces(self) -> tuple[dict[str, Any], Any]:
         """From the engine's masters: this rank's rows of each gradient (a replicated one counted on rank 0 only),
         summed over the engine's data-parallel group; parameters' own ``.grad`` is empty under ZeRO-2 and Gemini."""
@@ -173,12 +173,13 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         group = self.engine.process_group  # type: ignore[union-attr]
         rank = collectives.rank(group)
         pieces = {
-            entry.name: entry.master.grad if rank == 0 or not entry.spec.replicated else None
+            entry.name: sharded_state.counted_gradient(entry, rank)
             for entry in masters
             if entry.master.grad is not None
         }
         return pieces, group
 
+    # ---------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:

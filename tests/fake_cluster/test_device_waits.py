@@ -11,6 +11,7 @@ on these models) is a wait per parameter tensor per step on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,16 @@ class StepWork:
     step: DeviceWork
 
 
-def zero_step(blocks: int, stage: int, cpu_offload: bool) -> StepWork:
+def _sgd(parameters: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
+
+
+def zero_step(blocks: int, stage: int, cpu_offload: bool, make_optimizer: Callable[[Any], Any] = _sgd) -> StepWork:
     model_on_meta = _gpt(blocks)
     with fake_cluster(WORLD_SIZE, rank=5) as cluster:
         mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
         model = materialise(model_on_meta, "cuda")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = make_optimizer(model.parameters())
         config = ZeroConfig(stage=stage, cpu_offload=cpu_offload, bucket_size_mb=0.0001)
         engine = ZeroEngine(model, optimizer, config, mesh, cluster.device)
         start = cluster.device_work()
@@ -55,12 +60,12 @@ def zero_step(blocks: int, stage: int, cpu_offload: bool) -> StepWork:
         return StepWork(len(list(model.parameters())), after_backward.since(start), end.since(after_backward))
 
 
-def gemini_step(blocks: int, placement: StaticPlacement) -> StepWork:
+def gemini_step(blocks: int, placement: StaticPlacement, make_optimizer: Callable[[Any], Any] = _sgd) -> StepWork:
     model_on_meta = _gpt(blocks)
     with fake_cluster(WORLD_SIZE, rank=5) as cluster:
         mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
         model = materialise(model_on_meta, "cuda")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        optimizer = make_optimizer(model.parameters())
         engine = GeminiEngine(
             model, optimizer, GeminiConfig(placement=placement, chunk_numel=8192), mesh, cluster.device
         )
@@ -70,7 +75,7 @@ def gemini_step(blocks: int, placement: StaticPlacement) -> StepWork:
         start = cluster.device_work()
         run_backward_hooks(model)
         after_backward = cluster.device_work()
-        optimizer.step()
+        engine.step_optimizer(optimizer)  # as the strategy steps it
         engine.after_step(stepped=True)
         end = cluster.device_work()
         return StepWork(len(list(model.parameters())), after_backward.since(start), end.since(after_backward))
@@ -162,32 +167,23 @@ def test_offloaded_masters_step_with_the_fused_host_kernel(mode, monkeypatch):
     kernel (torch alone would run its per-tensor loop on them). (Masters on fake GPUs cannot step here: torch's
     foreach AdamW reads its step count, which this tier answers with 0.)"""
     calls: list[set[str]] = []
+    optimizers: list[torch.optim.Optimizer] = []
     fused = torch._fused_adamw_
 
     def spy(params, *args, **kwargs):
         calls.append({parameter.device.type for parameter in params})
         return fused(params, *args, **kwargs)
 
+    def adamw(parameters: Any) -> torch.optim.Optimizer:
+        optimizers.append(torch.optim.AdamW(parameters, lr=1e-3))
+        return optimizers[-1]
+
     monkeypatch.setattr(torch, "_fused_adamw_", spy)
-    model_on_meta = _gpt(2)
-    with fake_cluster(WORLD_SIZE, rank=5) as cluster:
-        mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
-        model = materialise(model_on_meta, "cuda")
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if mode.startswith("zero2"):
-            config = ZeroConfig(stage=2, cpu_offload=mode.endswith("offload"), bucket_size_mb=0.0001)
-            engine: Any = ZeroEngine(model, optimizer, config, mesh, cluster.device)
-        else:
-            placement = StaticPlacement(offload_optim_frac=1.0) if mode.endswith("offload") else StaticPlacement()
-            engine = GeminiEngine(
-                model, optimizer, GeminiConfig(placement=placement, chunk_numel=8192), mesh, cluster.device
-            )
-            for chunk in engine.manager.chunks:
-                engine.manager.gather(chunk)
-        run_backward_hooks(model)
-        engine.step_optimizer(optimizer)
-        engine.after_step(stepped=True)
-    assert all(group["fused"] is None for group in optimizer.param_groups), "the user's setting is back after the step"
+    if mode == "zero2_offload":
+        zero_step(2, 2, True, adamw)
+    else:
+        gemini_step(2, StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0), adamw)
+    assert all(group["fused"] is None for group in optimizers[0].param_groups), "the user's setting is back"
     assert calls and all(devices == {"cpu"} for devices in calls), calls
 
 
