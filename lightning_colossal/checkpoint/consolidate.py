@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lightning_colossal.checkpoint import atomic
-from lightning_colossal.checkpoint.format import MODEL_KEY, CheckpointDescription, TrainingTensors
+from lightning_colossal.checkpoint.format import CURRENT_MODEL_STATE, MODEL_KEY, CheckpointDescription, TrainingTensors
 from lightning_colossal.checkpoint.layout import CheckpointFiles, CheckpointKind, locate_checkpoint
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_position
 from lightning_colossal.checkpoint.sharded import load_file_weights, load_metadata, read_sharded
@@ -115,6 +115,9 @@ def _lightning_checkpoint(
     # Without the description the file is a plain Lightning checkpoint, which every strategy loads as one.
     CheckpointDescription.remove_from(contents)
     contents["state_dict"] = weights
+    if state.current_model is not None:
+        # A weight-averaging run: `state_dict` is the average, as Lightning's callback writes it.
+        contents[CURRENT_MODEL_STATE] = state.current_model
     contents["optimizer_states"] = [rekey_by_position(optimizer) for optimizer in state.optimizers]
     return contents
 

@@ -16,7 +16,10 @@ never by position:
   strategy keeps them); the file's ``state_dict`` is read back from exactly these items;
 - ``optimizer_<i>.state.<name>.<state key>`` and ``optimizer_<i>.param_groups``: the i-th optimizer, its
   state keyed by parameter name (torch's distributed state-dict format);
-- ``rng.rank_<r>.*``: random-number-generator state of each rank, restored when the world size matches.
+- ``rng.rank_<r>.*``: random-number-generator state of each rank, restored when the world size matches;
+- ``current_model.<name>``: only when a weight-averaging callback trained the run: the weights being trained, while
+  ``model.<name>`` holds their average (Lightning's convention: the checkpoint's ``state_dict`` is the average and
+  ``current_model_state`` the weights the run resumes from); the file holds both whole.
 
 ``SavedItems`` answers questions about those flattened items from DCP's index alone (which weights, which shapes,
 whose random state), before any tensor is read.
@@ -37,6 +40,10 @@ FORMAT_KEY = "lightning_colossal"
 FORMAT_VERSION = 2
 
 MODEL_KEY = "model"
+CURRENT_MODEL_KEY = "current_model"
+#: Lightning's key, in a checkpoint dict and in the checkpoint file, of the weights being trained when ``state_dict``
+#: holds their average (``WeightAveraging.on_save_checkpoint``).
+CURRENT_MODEL_STATE = "current_model_state"
 RNG_KEY = "rng"
 _OPTIMIZER_PREFIX = "optimizer_"
 _RANK_PREFIX = "rank_"
@@ -165,10 +172,14 @@ class TrainingTensors:
     model: dict[str, Any]
     optimizers: list[dict[str, Any]] = field(default_factory=list)
     rng_by_rank: dict[int, Any] = field(default_factory=dict)
+    #: The weights being trained when ``model`` holds their average; ``None`` without weight averaging.
+    current_model: dict[str, Any] | None = None
 
     def to_state(self) -> dict[str, Any]:
         """The nested dict DCP saves or loads (its keys flattened into items, see the module docstring)."""
         state: dict[str, Any] = {MODEL_KEY: self.model}
+        if self.current_model is not None:
+            state[CURRENT_MODEL_KEY] = self.current_model
         for index, optimizer in enumerate(self.optimizers):
             state[optimizer_key(index)] = optimizer
         if self.rng_by_rank:
@@ -189,7 +200,12 @@ class TrainingTensors:
             for key, value in state.get(RNG_KEY, {}).items()
             if key.startswith(_RANK_PREFIX) and key[len(_RANK_PREFIX) :].isdigit()
         }
-        return cls(model=state.get(MODEL_KEY, {}), optimizers=optimizers, rng_by_rank=rng_by_rank)
+        return cls(
+            model=state.get(MODEL_KEY, {}),
+            optimizers=optimizers,
+            rng_by_rank=rng_by_rank,
+            current_model=state.get(CURRENT_MODEL_KEY),
+        )
 
 
 class SavedItems:
@@ -220,6 +236,11 @@ class SavedItems:
         """Whether any state tensor or value of parameter ``name`` in optimizer ``optimizer`` is saved (an optimizer
         keeps none for a parameter no gradient has reached yet)."""
         prefix = f"{optimizer_key(optimizer)}.state.{name}."
+        return any(key.startswith(prefix) for key in self._shapes)
+
+    def holds_current_model(self) -> bool:
+        """Whether the weights being trained are saved apart from ``model`` (a weight-averaging run)."""
+        prefix = f"{CURRENT_MODEL_KEY}."
         return any(key.startswith(prefix) for key in self._shapes)
 
     def holds_rng_of(self, rank: int) -> bool:

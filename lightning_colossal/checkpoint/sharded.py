@@ -37,7 +37,13 @@ from lightning_colossal.checkpoint.deferred import (
     deferred_save_writer,
     has_stand_ins,
 )
-from lightning_colossal.checkpoint.format import MODEL_KEY, CheckpointDescription, TrainingTensors
+from lightning_colossal.checkpoint.format import (
+    CURRENT_MODEL_KEY,
+    CURRENT_MODEL_STATE,
+    MODEL_KEY,
+    CheckpointDescription,
+    TrainingTensors,
+)
 from lightning_colossal.checkpoint.layout import (
     DCP_METADATA_FILENAME,
     META_FILENAME,
@@ -101,6 +107,10 @@ def save_sharded(
             contents = dict(metadata)
             described = description or CheckpointDescription.from_contents(metadata) or CheckpointDescription()
             contents["state_dict"] = TrainingTensors.from_state(read_sharded(shards, keys={MODEL_KEY})).model
+            if CURRENT_MODEL_KEY in tensor_state:
+                # A weight-averaging run: the file is a Lightning checkpoint another strategy (or Lightning) resumes.
+                current = TrainingTensors.from_state(read_sharded(shards, keys={CURRENT_MODEL_KEY})).current_model
+                contents[CURRENT_MODEL_STATE] = current
             described.committed(shards=save_id).add_to(contents)
             _write_checkpoint_file(entry, contents)
             committed = True
@@ -254,6 +264,7 @@ def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> d
         return read_checkpoint_file(files.path / META_FILENAME, weights_only)
     contents = read_checkpoint_file(files.path, weights_only)
     contents.pop("state_dict", None)
+    contents.pop(CURRENT_MODEL_STATE, None)  # whole weights too; the shards hold this rank's part
     return contents
 
 

@@ -2,8 +2,9 @@
 another: which rows each rank owns (``rows``), the copies into and out of staging buffers (``staging``), name-keyed
 sharded optimizer state and global-norm clipping (``sharded_state``), taking over the user's optimizer
 (``optimizer_takeover``), values for models built on the meta device (``meta_init``, ``pretrained``), walks of the
-autograd graph (``autograd_graph``), running statistics kept equal across replicas (``running_statistics``) and
-whole parameters read outside a forward (``whole_parameters``).
+autograd graph (``autograd_graph``), running statistics kept equal across replicas (``running_statistics``),
+whole parameters read outside a forward (``whole_parameters``) and a running average of the weights in their own
+pieces (``weight_average``).
 
 Plain torch, no Lightning, no engine. Communication is not here: these modules call collectives only through
 ``lightning_colossal.distributed``. Import the modules themselves; this package exports nothing.

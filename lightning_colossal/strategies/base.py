@@ -47,6 +47,7 @@ from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.engine_parts.pretrained import has_pretrained_weights, materialise_whole
 from lightning_colossal.engine_parts.running_statistics import follow_first_replica, modules_with_running_statistics
+from lightning_colossal.engine_parts.stand_ins import deferred_of
 from lightning_colossal.precision import ColossalPrecision, counted_piece, to_colossal_precision
 from lightning_colossal.strategies.callback_refusals import refuse_averaging_callbacks
 from lightning_colossal.strategies.checkpointing import CheckpointingMixin
@@ -54,6 +55,7 @@ from lightning_colossal.strategies.docstrings import complete_argument_docs
 from lightning_colossal.strategies.failures import FailureReportingMixin
 from lightning_colossal.strategies.optimizers import OptimizerSetupMixin
 from lightning_colossal.strategies.optimizers import unwrap_optimizer as _unwrap_optimizer
+from lightning_colossal.strategies.weight_averaging import adopt_averaging_callbacks
 
 __all__ = ["ColossalStrategy", "_unwrap_optimizer"]
 
@@ -166,6 +168,34 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
         super().teardown()
         if error is not None:
             raise error
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            # Before Lightning calls the callbacks' `setup`, where WeightAveraging would copy the whole model.
+            adopt_averaging_callbacks(trainer.callbacks)
+
+    def weights_for_averaging(self) -> dict[str, Any]:
+        """This rank's part of the weights a ``WeightAveraging`` callback averages, by name, aliasing the live
+        tensors (``engine_parts/weight_average.py`` [Note: the average lives where the weights live]): by default what
+        a checkpoint saves."""
+        return self._averageable(self.model_state_for_checkpoint())
+
+    def _averageable(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``, refused when the disk tier holds some of it."""
+        if any(deferred_of(value) is not None for value in state.values()):
+            raise ValueError(
+                f"A weight-averaging callback cannot average weights the disk tier holds (masters_on_disk=True under"
+                f" {self.strategy_name or type(self).__name__}): the average would need them in memory at every step."
+                " Keep the masters in memory (masters_on_disk=False) or remove the callback."
+            )
+        return state
+
+    def after_averaged_weights_written(self) -> None:
+        """The tensors of ``weights_for_averaging()`` were written in place (an average swapped in or out): re-sync
+        the engine's other copies, as after a checkpoint load."""
+        self._on_model_state_loaded()
 
     def _prepare_module(self, trainer: Any) -> bool:
         """The start every mode's ``setup`` shares: accelerator, SyncBatchNorm (when fitting), precision, device.

@@ -42,7 +42,12 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.checkpoint import async_save
-from lightning_colossal.checkpoint.format import CheckpointDescription, SavedItems, TrainingTensors
+from lightning_colossal.checkpoint.format import (
+    CURRENT_MODEL_STATE,
+    CheckpointDescription,
+    SavedItems,
+    TrainingTensors,
+)
 from lightning_colossal.checkpoint.huggingface import describe_huggingface_model
 from lightning_colossal.checkpoint.layout import CheckpointFiles, CheckpointKind, locate_checkpoint
 from lightning_colossal.checkpoint.optimizer_state import rekey_by_name
@@ -59,6 +64,7 @@ from lightning_colossal.distributed import device as devices
 from lightning_colossal.strategies._lightning_private import _collect_rng_states, _set_rng_states, lightning_load
 from lightning_colossal.strategies.optimizers import unwrap_optimizer
 from lightning_colossal.strategies.processes import ProcessGroupMixin
+from lightning_colossal.strategies.weight_averaging import active_average
 
 
 class CheckpointingMixin(ProcessGroupMixin):
@@ -141,10 +147,14 @@ class CheckpointingMixin(ProcessGroupMixin):
             )
         async_save.wait_for_background_save()  # one save at a time; a failed one raises here, naming its path
         path = Path(self.broadcast(str(filepath)))
+        # With a weight-averaging callback `state_dict` is the average and the weights being trained come apart
+        # (strategies/weight_averaging.py [Note: averaging callbacks adopted by the strategy]).
+        current_model = checkpoint.pop(CURRENT_MODEL_STATE, None)
         tensors = TrainingTensors(
             model=self._with_first_replica_buffers(checkpoint.pop("state_dict")),
             optimizers=list(checkpoint.pop("optimizer_states", None) or []),
             rng_by_rank={self.global_rank: _collect_rng_states(include_cuda=devices.device_count("cuda") > 0)},
+            current_model=None if current_model is None else self._with_first_replica_buffers(current_model),
         )
         description = CheckpointDescription(
             strategy=type(self).__name__,
@@ -255,6 +265,8 @@ class CheckpointingMixin(ProcessGroupMixin):
     def _load_sharded_checkpoint(
         self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
     ) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        trainer = self.lightning_module._trainer
         path, shards = files.path, files.shards
         assert shards is not None
         saved = SavedItems(saved_shapes(shards))
@@ -263,7 +275,14 @@ class CheckpointingMixin(ProcessGroupMixin):
         _check_model_shapes(path, model_state, saved)
         metadata = load_metadata(files, weights_only)
         description = CheckpointDescription.from_contents(metadata) or CheckpointDescription()
-        destinations = TrainingTensors(model=model_state)
+        average = active_average(trainer.callbacks) if fitting and trainer is not None else None
+        if average is not None and saved.holds_current_model():
+            # The checkpoint's `model` items are the average, `current_model` the weights being trained.
+            destinations = TrainingTensors(model=average.state_for_checkpoint(), current_model=model_state)
+        else:
+            # Without an averaging callback now, a checkpoint with an average resumes from the average, as Lightning
+            # loads its `state_dict`.
+            destinations = TrainingTensors(model=model_state)
         optimizers = self.optimizers if fitting else []
         if optimizers:
             _check_optimizer_count(path, description.num_optimizers, len(optimizers))

@@ -103,6 +103,20 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
         if self.engine is not None:
             self.engine.resync_after_model_state_loaded()
 
+    def weights_for_averaging(self) -> dict[str, Any]:
+        # This rank's master rows even where they are rows of the fp32 parameters: the average then takes
+        # 4 bytes x parameters / ranks, not a whole copy per rank.
+        assert self.lightning_module is not None
+        engine = self._checkpoint_engine()
+        if engine is None:
+            return super().weights_for_averaging()
+        return self._averageable(engine.with_precise_masters(self.lightning_module.state_dict(), always=True))
+
+    def after_averaged_weights_written(self) -> None:
+        # The masters were written: every replica's parameters follow them (one exchange).
+        if self.engine is not None:
+            self.engine.masters_to_parameters()
+
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(state_dict, strict=strict)

@@ -454,10 +454,11 @@ class ZeroEngine(EngineDiskTier):
         checkpoints])."""
         return any(member.parameter.dtype != torch.float32 for member in self.members)
 
-    def with_precise_masters(self, model_state: dict[str, Any]) -> dict[str, Any]:
+    def with_precise_masters(self, model_state: dict[str, Any], always: bool = False) -> dict[str, Any]:
         """``model_state`` (tensors by parameter name) with the fp32 masters in place of rounded parameters, when
-        checkpoints hold masters."""
-        if self.checkpoints_hold_masters:
+        checkpoints hold masters; with ``always``, also where the masters are rows of the fp32 parameters themselves
+        (this rank's part only: what a weight average keeps)."""
+        if always or self.checkpoints_hold_masters:
             precise = self.masters_by_name()
             model_state.update(precise)
             # A tied parameter is in the state under every name that holds it: each name gets the master, so the

@@ -1,11 +1,13 @@
 """Lightning's weight-averaging callbacks under every strategy.
 
-Where every rank holds every parameter whole (colossal_ddp, ZeRO-1/2, hybrid with data parallelism only) the model
-after ``fit`` is the exponential moving average of the weights after each step, computed here by hand from those
-weights. Where ranks hold pieces (Gemini, FSDP, hybrid tensor parallelism) the strategy refuses at setup with an
-error naming the strategies that work, instead of torch's shape or DTensor error from inside the callback
-(``strategies/callback_refusals.py``). ``BackboneFinetuning`` is refused by the engines that own the optimizer and
-trains like one process under colossal_ddp and colossal_fsdp.
+``EMAWeightAveraging`` and ``WeightAveraging`` (the SWA average) train, validate, end and checkpoint exactly as the
+same callback under one process with Lightning's own strategy (``"ddp"``, whose sampler order the strategies share),
+with plain SGD so a wrong
+gradient scale shows: the validation loss of the averaged weights, the weights after ``fit`` (the average) and the
+checkpoint's average and current weights. Under the sharding strategies each rank keeps only its part of the average
+(``strategies/weight_averaging.py``). ``StochasticWeightAveraging`` is refused where ranks hold pieces, naming
+``WeightAveraging``. ``BackboneFinetuning`` is refused by the engines that own the optimizer and trains like one process
+under colossal_ddp and colossal_fsdp.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import lightning.pytorch.callbacks as lightning_callbacks
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
+from torch.utils.data import DataLoader
 
 from tests.distributed.checkpoint_bodies import DDP, FSDP, GEMINI, ZERO1, ZERO2, StrategySpec
 from tests.distributed.hybrid_bodies import TinyGPTModule
-from tests.distributed.oracle import float_state, new_module, quiet_trainer
+from tests.distributed.oracle import RegressionModule, float_state, make_dataset, new_module, quiet_trainer
 from tests.distributed.test_workflow_rows import _strategy
 
 pytestmark = pytest.mark.skipif(
@@ -27,54 +30,200 @@ pytestmark = pytest.mark.skipif(
 )
 
 DECAY = 0.5
-WHOLE_PARAMETERS: dict[str, StrategySpec] = {
+GLOBAL_BATCH = 8
+ORACLE: StrategySpec = ("lightning_ddp", {})  # Lightning's own strategy and its own callback code
+STRATEGIES: dict[str, StrategySpec] = {
     "ddp": DDP,
     "zero1": ZERO1,
     "zero2": ZERO2,
+    "zero2_offload": ("zero", {"stage": 2, "cpu_offload": True}),
+    "gemini": GEMINI,
+    "fsdp": FSDP,
     "hybrid_dp": ("hybrid", {"zero_stage": 1}),
 }
+#: Where each rank keeps about half of the average at 2 ranks (masters sharded).
+HALVED = {"zero1", "zero2", "zero2_offload", "gemini", "fsdp"}
 PIECES: dict[str, StrategySpec] = {"gemini": GEMINI, "fsdp": FSDP, "hybrid_tp2": ("hybrid", {"tp_size": 2})}
 
 
-class WeightsAfterEachStep(Callback):
+class AveragedRegression(RegressionModule):
+    """Plain SGD (a wrong gradient scale or a wrong average shows) and a validation set the average is judged on."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def validation_step(self, batch: Any, batch_index: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.model(inputs), targets), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(make_dataset(16), batch_size=self.batch_size)
+
+
+class ValidationLosses(Callback):
     def __init__(self) -> None:
-        self.states: list[dict[str, torch.Tensor]] = []
+        self.losses: list[float] = []
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, *arguments: Any) -> None:
-        self.states.append(float_state(pl_module))
-
-
-def exponential_average_body(spec: StrategySpec) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
-    module = new_module()
-    recorder = WeightsAfterEachStep()
-    averaging = lightning_callbacks.EMAWeightAveraging(decay=DECAY)
-    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=4, callbacks=[recorder, averaging])
-    trainer.fit(module)
-    return float_state(module), recorder.states
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["val_loss"]))
 
 
-@pytest.mark.parametrize("strategy_name", list(WHOLE_PARAMETERS))
-def test_exponential_average_of_the_weights_after_each_step(rank_pool_2, strategy_name):
-    final, states = rank_pool_2.run(exponential_average_body, WHOLE_PARAMETERS[strategy_name], timeout=120)[0]
-    assert len(states) == 4
-    # AveragedModel's first update copies the weights; each later one moves the average towards them by 1 - decay.
-    expected = dict(states[0])
-    for state in states[1:]:
-        expected = {name: DECAY * expected[name] + (1 - DECAY) * state[name] for name in expected}
-    assert set(final) == set(expected)
-    for name in expected:
-        torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7, msg=name)
-    # The average is not just the last weights: the callback did average.
-    assert max((final[name] - states[-1][name]).abs().max().item() for name in final) > 1e-4
+class SaveAtStep(Callback):
+    def __init__(self, path: str, step: int) -> None:
+        self.path, self.step = path, step
+
+    def on_train_batch_end(self, trainer: Any, *arguments: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
 
 
-def refusal_body(spec: StrategySpec, callback_name: str) -> str:
-    callback = (
-        lightning_callbacks.EMAWeightAveraging(decay=DECAY)
-        if callback_name == "ema"
-        else StochasticWeightAveraging(swa_lrs=0.01)
+def _trainer_strategy(spec: StrategySpec) -> Any:
+    return "ddp" if spec == ORACLE else _strategy(spec)
+
+
+def _averaging_callback(kind: str) -> Any:
+    if kind == "ema":
+        return lightning_callbacks.EMAWeightAveraging(decay=DECAY)
+    return lightning_callbacks.WeightAveraging()  # the SWA average, updated after every step
+
+
+def _module() -> AveragedRegression:
+    new_module()  # the oracle's seed, so every world size starts from the same weights
+    return AveragedRegression(batch_size=GLOBAL_BATCH // torch.distributed.get_world_size())
+
+
+def _average_numel(callback: Any) -> int:
+    from lightning_colossal.engine_parts.weight_average import local_part
+
+    unique = {id(value): value for value in callback._average_model.state.values()}
+    return sum(local_part(value).numel() for value in unique.values())
+
+
+def averaging_body(spec: StrategySpec, kind: str, checkpoint: str | None = None) -> dict[str, Any]:
+    module = _module()
+    averaging, validation = _averaging_callback(kind), ValidationLosses()
+    callbacks = [averaging, validation] + ([SaveAtStep(checkpoint, 3)] if checkpoint else [])
+    trainer = quiet_trainer(
+        strategy=_trainer_strategy(spec),
+        devices=torch.distributed.get_world_size(),
+        max_steps=5,
+        val_check_interval=2,
+        callbacks=callbacks,
     )
-    trainer = quiet_trainer(strategy=_strategy(spec), devices=2, max_steps=2, callbacks=[callback])
+    trainer.fit(module)
+    kept = _average_numel(averaging) if hasattr(averaging._average_model, "state") else None
+    return {"weights": float_state(module), "validation": validation.losses, "average_numel": kept}
+
+
+def resume_body(spec: StrategySpec, kind: str, checkpoint: str) -> dict[str, Any]:
+    module = _module()
+    validation = ValidationLosses()
+    trainer = quiet_trainer(
+        strategy=_trainer_strategy(spec),
+        devices=torch.distributed.get_world_size(),
+        max_steps=5,
+        val_check_interval=2,
+        callbacks=[_averaging_callback(kind), validation],
+    )
+    trainer.fit(module, ckpt_path=checkpoint)
+    return {"weights": float_state(module), "validation": validation.losses}
+
+
+def _assert_same(result: dict[str, Any], reference: dict[str, Any], label: str) -> None:
+    assert len(result["validation"]) == len(reference["validation"]) > 0, label
+    torch.testing.assert_close(result["validation"], reference["validation"], rtol=1e-5, atol=1e-7, msg=label)
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-7, msg=f"{label}: {name}")
+
+
+@pytest.mark.parametrize("kind", ["ema", "swa"])
+@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
+def test_averaging_trains_validates_and_ends_like_one_process(rank_pools, strategy_name, kind):
+    # The oracle: Lightning's own strategy and callback, one process on the global batch.
+    reference = rank_pools.get(1).run(averaging_body, ORACLE, kind, timeout=120)[0]
+    total = sum(value.numel() for value in reference["weights"].values())
+    results = rank_pools.get(2).run(averaging_body, STRATEGIES[strategy_name], kind, timeout=120)
+    for rank, result in enumerate(results):
+        _assert_same(result, reference, f"{strategy_name} rank {rank}")
+        if strategy_name in HALVED:
+            # Each rank keeps its part of the average, not a whole copy of the model.
+            assert result["average_numel"] <= 0.6 * total, (result["average_numel"], total)
+
+
+def test_the_oracle_validates_and_ends_on_the_average(rank_pools):
+    # Guards the comparison above: with the callback, validation and the weights after fit are not the trained ones.
+    with_average = rank_pools.get(1).run(averaging_body, ORACLE, "ema", timeout=120)[0]
+    without = rank_pools.get(1).run(plain_body, timeout=120)[0]
+    assert len(without["validation"]) == len(with_average["validation"]) == 2
+    assert without["validation"][1] != with_average["validation"][1]
+    assert not torch.equal(without["weights"]["model.input.weight"], with_average["weights"]["model.input.weight"])
+
+
+def plain_body() -> dict[str, Any]:
+    module = _module()
+    validation = ValidationLosses()
+    trainer = quiet_trainer(strategy="ddp", devices=1, max_steps=5, val_check_interval=2, callbacks=[validation])
+    trainer.fit(module)
+    return {"weights": float_state(module), "validation": validation.losses}
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "saved_ranks", "resumed_by", "resumed_ranks"),
+    [
+        ("gemini", 2, "zero2", 1),
+        ("zero2", 2, "gemini", 2),
+        ("fsdp", 2, "hybrid_dp", 1),
+        # Lightning's own single-file checkpoint resumed here (the other way Lightning reads the file's weights, not
+        # the optimizer state in the shards: the file's entries are compared with Lightning's in every row).
+        ("lightning_ddp", 1, "fsdp", 2),
+    ],
+)
+def test_checkpoint_keeps_the_average_across_strategies_and_world_sizes(
+    rank_pools, tmp_path, saved_by, saved_ranks, resumed_by, resumed_ranks
+):
+    # Both directions between these strategies' format and Lightning's own single file.
+    specs = {**STRATEGIES, "lightning_ddp": ORACLE}
+    reference_path, path = str(tmp_path / "reference.ckpt"), str(tmp_path / "saved.ckpt")
+    rank_pools.get(1).run(averaging_body, ORACLE, "ema", reference_path, timeout=120)
+    reference = rank_pools.get(1).run(resume_body, ORACLE, "ema", reference_path, timeout=120)[0]
+    rank_pools.get(saved_ranks).run(averaging_body, specs[saved_by], "ema", path, timeout=120)
+    # The file is a Lightning checkpoint: `state_dict` the average, `current_model_state` the weights trained.
+    saved, expected = (torch.load(file, weights_only=False) for file in (path, reference_path))
+    for key in ("state_dict", "current_model_state"):
+        assert set(saved[key]) == set(expected[key]), key
+        for name, value in expected[key].items():
+            torch.testing.assert_close(saved[key][name].float(), value.float(), rtol=1e-5, atol=1e-7, msg=name)
+    assert int(saved["averaging_state"]["n_averaged"]) == int(expected["averaging_state"]["n_averaged"]) == 3
+    assert not torch.equal(
+        saved["state_dict"]["model.input.weight"], saved["current_model_state"]["model.input.weight"]
+    )
+    for rank, result in enumerate(rank_pools.get(resumed_ranks).run(resume_body, specs[resumed_by], "ema", path)):
+        _assert_same(result, reference, f"{saved_by} -> {resumed_by} rank {rank}")
+
+
+def two_averages_body() -> str:
+    trainer = quiet_trainer(
+        strategy=_strategy(ZERO2),
+        devices=2,
+        max_steps=1,
+        callbacks=[lightning_callbacks.EMAWeightAveraging(), lightning_callbacks.WeightAveraging()],
+    )
+    try:
+        trainer.fit(_module())
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def test_two_averaging_callbacks_are_refused_naming_both(rank_pool_2):
+    for message in rank_pool_2.run(two_averages_body, timeout=120):
+        assert "EMAWeightAveraging, WeightAveraging" in message and "keep one of them" in message, message
+
+
+def refusal_body(spec: StrategySpec) -> str:
+    trainer = quiet_trainer(
+        strategy=_strategy(spec), devices=2, max_steps=2, callbacks=[StochasticWeightAveraging(swa_lrs=0.01)]
+    )
     # Tensor parallelism needs a model it can split: the tiny GPT (the regression model is refused for that).
     module = TinyGPTModule() if spec[1].get("tp_size", 1) > 1 else new_module()
     try:
@@ -84,19 +233,13 @@ def refusal_body(spec: StrategySpec, callback_name: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize(
-    ("strategy_name", "callback_name"),
-    [("gemini", "ema"), ("gemini", "swa"), ("fsdp", "ema"), ("hybrid_tp2", "ema")],
-)
-def test_strategies_holding_pieces_refuse_averaging_naming_the_strategies_that_work(
-    rank_pool_2, strategy_name, callback_name
+@pytest.mark.parametrize("strategy_name", list(PIECES))
+def test_stochastic_weight_averaging_is_refused_where_ranks_hold_pieces_naming_weight_averaging(
+    rank_pool_2, strategy_name
 ):
-    messages = rank_pool_2.run(refusal_body, PIECES[strategy_name], callback_name, timeout=120)
-    for message in messages:
-        assert message.startswith("ValueError"), message
-        expected_callback = "EMAWeightAveraging" if callback_name == "ema" else "StochasticWeightAveraging"
-        assert expected_callback in message, message
-        assert "`colossal_zero2`" in message and "`colossal_ddp`" in message, message
+    for message in rank_pool_2.run(refusal_body, PIECES[strategy_name], timeout=120):
+        assert message.startswith("ValueError: StochasticWeightAveraging"), message
+        assert "Use `WeightAveraging()` instead" in message and "`colossal_zero2`" in message, message
 
 
 def finetuning_body(spec: StrategySpec) -> str:
@@ -116,7 +259,7 @@ def finetuning_body(spec: StrategySpec) -> str:
 
 @pytest.mark.parametrize("strategy_name", ["zero2", "gemini", "hybrid_dp"])
 def test_engines_refuse_callbacks_that_add_parameters_to_the_optimizer_mid_run(rank_pool_2, strategy_name):
-    spec = {**WHOLE_PARAMETERS, **PIECES}[strategy_name]
+    spec = {**STRATEGIES, **PIECES}[strategy_name]
     for message in rank_pool_2.run(finetuning_body, spec, timeout=120):
         assert message.startswith("ValueError: BackboneFinetuning adds parameters to the optimizer"), message
         assert "in its own param group with a lower learning rate" in message, message
@@ -138,7 +281,7 @@ def backbone_unfrozen_body(spec: StrategySpec, batch_size: int) -> dict[str, Any
     module.backbone = module.model.input  # BackboneFinetuning freezes `backbone`, then adds it to the optimizer
     initial_backbone = {name: value.clone() for name, value in module.backbone.state_dict().items()}
     trainer = quiet_trainer(
-        strategy=_strategy(spec),
+        strategy=_trainer_strategy(spec),
         devices=torch.distributed.get_world_size(),
         max_epochs=2,
         callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05)],
