@@ -26,7 +26,8 @@ class DDPConfig:
 
     Args:
         bucket_cap_mb: gradient bucket size in MiB; larger buckets mean fewer, bigger all-reduces.
-        gradient_as_bucket_view: let ``param.grad`` alias the communication buckets (saves one gradient copy).
+        gradient_as_bucket_view: let ``param.grad`` alias the communication buckets (the default: one gradient
+            copy less than torch's own default; ``False`` only for code that calls ``detach_()`` on a gradient).
         static_graph: promise that the set of used parameters is the same every step (enables optimisations).
         find_unused_parameters: traverse the autograd graph each step to find parameters that got no gradient.
         forward_sync_buffers: broadcast module buffers from rank 0 at every forward (buffers are always
@@ -38,7 +39,7 @@ class DDPConfig:
     """
 
     bucket_cap_mb: float = 25.0
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
     forward_sync_buffers: bool = True

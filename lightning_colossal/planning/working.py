@@ -1,8 +1,8 @@
 """Working memory on top of model state: buffers that exist while a step runs (estimates, not exact).
 
-- ``colossal_ddp``: torch DDP's reducer keeps its own gradient buckets, one copy of every gradient, unless
-  ``gradient_as_bucket_view=True`` (off by default in ``ColossalDDPStrategy``); ``MemoryMonitor`` counts ``.grad``
-  only, so this copy is easy to miss.
+- ``colossal_ddp``: nothing beyond the gradients: ``ColossalDDPStrategy`` passes ``gradient_as_bucket_view=True`` by
+  default, so each ``.grad`` is a view into DDP's buckets (with ``False``, torch's own default, the reducer would keep
+  a second copy of every gradient, which ``MemoryMonitor`` does not see as it counts ``.grad`` only).
 - ZeRO: pooled communication buffers (``zero/stages.py`` [Note: bounded staging]): stage 2 keeps up to two buckets in
   flight, each staged rank-major as ``world_size`` slots of a bucket, plus one for the parameter exchange; stage 1
   reduces in the gradients themselves and needs about two buckets for the exchange.
@@ -119,9 +119,8 @@ def _buffers(
     model: ModelShape, setting: Setting, training: Training, world_size: int, activation_checkpointing: bool
 ) -> Working:
     if setting.family == "ddp":
-        return Working(
-            Placed(device=model.numel * training.parameter_bytes), "DDP's gradient buckets (gradient_as_bucket_view)"
-        )
+        # colossal_ddp's default gradient_as_bucket_view=True: the gradients counted above are DDP's buckets.
+        return Working(Placed(), "none: gradients are views into DDP's buckets (gradient_as_bucket_view=True)")
     if setting.family == "zero":
         return _zero_buffers(model.shapes, training, setting.zero_stage, world_size)
     if setting.family == "hybrid":

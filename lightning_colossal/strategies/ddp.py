@@ -53,7 +53,8 @@ class ColossalDDPStrategy(ColossalStrategy):
 
     Args:
         bucket_cap_mb: gradient bucket size in MiB.
-        gradient_as_bucket_view: let gradients alias DDP's buckets (one gradient copy less).
+        gradient_as_bucket_view: let gradients alias DDP's buckets (the default: one gradient copy less; ``False``
+            only for code that calls ``detach_()`` on a gradient).
         static_graph: the set of used parameters never changes between steps.
         find_unused_parameters: search for parameters without gradient every step (needed when some are unused).
         forward_sync_buffers: broadcast buffers from rank 0 before every forward. ``None`` (the default) means
@@ -69,7 +70,7 @@ class ColossalDDPStrategy(ColossalStrategy):
     def __init__(
         self,
         bucket_cap_mb: float = 25.0,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         forward_sync_buffers: bool | None = None,

@@ -247,8 +247,9 @@ def test_device_total_adds_up_and_ddp_needs_its_16_psi():
     plan = plan_of(*SEVEN_B, "--device-memory", "80GiB", "--sequence-length", "4096")
     ddp = evaluation_of(plan, "colossal_ddp")
     psi = plan.model.numel
-    assert ddp.model_state.placed.device == 16 * psi and ddp.working.placed.device == 4 * psi  # DDP's buckets
-    assert ddp.device_bytes == 16 * psi + 4 * psi + ddp.activations.total + 2 * GIB
+    # Gradients are views into DDP's buckets (colossal_ddp's default gradient_as_bucket_view=True): no second copy.
+    assert ddp.model_state.placed.device == 16 * psi and ddp.working.placed.device == 0
+    assert ddp.device_bytes == 16 * psi + ddp.activations.total + 2 * GIB
     assert not ddp.fits_device and ddp.fits_host
     fsdp = evaluation_of(plan, "colossal_fsdp")
     assert fsdp.fits and fsdp.activations.weight_copies == 0, "FSDP gathers bf16 weights: autocast casts nothing"
