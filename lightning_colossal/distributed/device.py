@@ -12,7 +12,9 @@ new code here, and a test can swap the whole runtime for a stand-in (``substitut
 [Note: copies between host and device]
 A copy from device to host with ``non_blocking=True`` returns at once with a pinned buffer the device fills later; a
 host read of it before the copy lands reads garbage (nothing on the host waits for the device's stream). Every
-device-to-host copy therefore goes through ``to_host``, which waits for the copy before returning. Host-to-device
+device-to-host copy therefore goes through ``to_host`` or ``copy_all``, which wait for the copy before returning, or
+through ``start_copy_to_host``, whose caller waits once for several copies with ``synchronize`` before reading any
+(Gemini's offloaded gradients: gemini/manager.py [Note: reduced gradients drained to the host once]). Host-to-device
 copies (``to_device``) stay asynchronous: the device reads them on the stream that issued them, in order. The one
 rule for their sources: the host must not write a pinned source again before the device's stream has passed the
 copy; the engines' sources (masters, shards) are rewritten only by the next optimizer step, after the host has
@@ -181,6 +183,12 @@ def copy_all(pairs: list[tuple[Tensor, Tensor]]) -> None:
             target.copy_(source, non_blocking=is_accelerator(target.device))
     for source_device in towards_host:
         synchronize(source_device)
+
+
+def start_copy_to_host(target: Tensor, source: Tensor) -> None:
+    """Start ``target.copy_(source)`` from the device into a host buffer without waiting: the caller must
+    ``synchronize(source.device)`` before the host reads ``target`` ([Note: copies between host and device])."""
+    target.copy_(source, non_blocking=is_accelerator(source.device))
 
 
 def copy_into(target: Tensor, source: Tensor) -> None:

@@ -101,10 +101,11 @@ def test_a_backward_writes_no_number_into_device_memory(mode):
     assert (small.backward.scalar_writes, large.backward.scalar_writes) == (0, 0), (small.backward, large.backward)
 
 
-#: Known to grow with the model, each left for issue 44's next steps.
-GROWING = {
-    "gemini_offload": "each chunk's reduced gradient comes to the host with a wait of its own inside backward",
-}
+#: Known to grow with the model, each left for issue 44's next steps (none now: Gemini's offloaded chunks drain their
+#: reduced gradients with one wait, gemini/manager.py [Note: reduced gradients drained to the host once]).
+GROWING: dict[str, str] = {}
+#: Waits beyond the vote: the one wait for every offloaded chunk's reduced gradient on its way to the host.
+DRAIN_WAITS = {"gemini_offload": 1}
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_the_waits_of_a_backward_do_not_grow_with_the_number_of_parameters(mode)
     small, large = MODES[mode](2), MODES[mode](4)
     assert large.backward.waits == small.backward.waits, (small.backward, large.backward)
     # The vote over which parameters got a gradient (host flags to the device and back), and Gemini's closing round.
-    assert large.backward.waits <= 4, large.backward
+    assert large.backward.waits <= 4 + DRAIN_WAITS.get(mode, 0), large.backward
 
 
 if __name__ == "__main__":
