@@ -443,14 +443,19 @@ class ChunkManager:
     def _fold(self, chunk: Chunk, result: Tensor, rank_major: bool) -> None:
         """Add this rank's rows of a reduced sum (``result``, on the gradient's device) to the chunk's shard gradient."""
         assert chunk.gradient is not None
+        targets, owns = [], []
         for member in chunk.spec.members:
             numel = member.spec.local_numel
+            if numel == 0:
+                continue
             if rank_major:
-                own = result[member.slot_offset : member.slot_offset + numel]
+                owns.append(result[member.slot_offset : member.slot_offset + numel])
             else:
-                own = chunk.member_owned_in_full(result, member)
-            target = chunk.gradient[member.shard_offset : member.shard_offset + numel]
-            target.add_(own, alpha=1.0 / self.world_size)
+                owns.append(chunk.member_owned_in_full(result, member))
+            targets.append(chunk.gradient[member.shard_offset : member.shard_offset + numel])
+        if targets:
+            # One foreach call per chunk rather than one small kernel per member (same values per element).
+            torch._foreach_add_(targets, owns, alpha=1.0 / self.world_size)
 
     def _start_drain(self, chunk: Chunk, result: Tensor, rank_major: bool) -> None:
         """Start copying a reduced sum on the device to the host, to fold in after ``_finish_drains``' one wait.

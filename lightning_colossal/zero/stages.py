@@ -130,6 +130,9 @@ class Stage2Reducer(GradientReducer):
         self.accumulator = torch.zeros(offset, dtype=torch.float32, device=self.device)
         #: Send rows straight from the held gradients instead of staging them ([Note: ZeRO-2 reduction per backend]).
         self.sends_in_place = use_reduce_scatter and collectives.sends_directly(self.process_group)
+        #: One rank: each gradient is its own average, added straight into the accumulator ([Note: ZeRO-2 on one
+        #: rank]).
+        self.adds_directly = self.world_size == 1
         self._zeros: dict[torch.dtype, Tensor] = {}  # what a member without a gradient on this rank sends
 
     def bucket_numel_of(self, member: ReducedParameter) -> int:
@@ -164,6 +167,17 @@ class Stage2Reducer(GradientReducer):
         parameter = member.parameter
         gradient = parameter.grad
         assert gradient is not None
+        if self.adds_directly:
+            # [Note: ZeRO-2 on one rank]
+            # With one rank there is nothing to exchange: staging a gradient, "reducing" it and adding the slot into
+            # the accumulator was a memset per bucket, a copy and an add per parameter, three kernels where torch's
+            # DDP launches at most one. The add alone gives the same bits (the staged route adds the same values of
+            # the same dtype with alpha 1).
+            numel = member.spec.local_numel
+            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
+            target.add_(gradient.reshape(-1))
+            parameter.grad = None
+            return
         if self.sends_in_place:
             if bucket.held is None:
                 bucket.held = [None] * len(bucket.members)
@@ -175,6 +189,8 @@ class Stage2Reducer(GradientReducer):
         parameter.grad = None
 
     def _start_reduction(self, bucket: Bucket) -> RecordedWork | None:
+        if self.adds_directly:
+            return None  # the gradients are in the accumulator already
         if self.sends_in_place:
             return self._start_in_place(bucket)
         staging = self._staging(bucket)  # a bucket no member gave a gradient on this rank takes part with zeros
@@ -249,17 +265,21 @@ class Stage2Reducer(GradientReducer):
         bucket.held = None
 
     def _complete(self, bucket: Bucket) -> None:
+        if self.adds_directly:
+            return
         if self.sends_in_place:
             self._complete_in_place(bucket)
             return
         assert bucket.gradients is not None and bucket.own_slot is not None
         own_slot = bucket.own_slot
-        for member in bucket.members:
-            numel = member.spec.local_numel
-            if numel == 0:
-                continue
-            target = self.accumulator[member.accumulator_offset : member.accumulator_offset + numel]
-            target.add_(own_slot[member.bucket_offset : member.bucket_offset + numel], alpha=1.0 / self.world_size)
+        members = [member for member in bucket.members if member.spec.local_numel]
+        if members:
+            # One foreach call over the bucket's members rather than one small kernel each (same values per element).
+            torch._foreach_add_(
+                [self.accumulator[m.accumulator_offset : m.accumulator_offset + m.spec.local_numel] for m in members],
+                [own_slot[m.bucket_offset : m.bucket_offset + m.spec.local_numel] for m in members],
+                alpha=1.0 / self.world_size,
+            )
         # Staging goes back to the pool: stage 2 keeps only this rank's rows between backward passes.
         self.release(bucket.gradients)
         if self.use_reduce_scatter:

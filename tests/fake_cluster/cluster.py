@@ -129,7 +129,9 @@ class Scalars(TorchDispatchMode):
             elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
                 if torch.device(kwargs["device"]).type == "cpu":
                     self.work.device_to_host_copies += 1
-            if not func.is_view:
+            # Views launch nothing, nor do queries of a tensor's metadata (``prim.device``: ``tensor.device`` on a fake
+            # tensor reaches this mode).
+            if not func.is_view and func.namespace != "prim":
                 self.work.kernels += 1
         return func(*args, **kwargs)
 

@@ -43,10 +43,16 @@ def _sgd(parameters: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9)
 
 
-def zero_step(blocks: int, stage: int, cpu_offload: bool, make_optimizer: Callable[[Any], Any] = _sgd) -> StepWork:
+def zero_step(
+    blocks: int,
+    stage: int,
+    cpu_offload: bool,
+    make_optimizer: Callable[[Any], Any] = _sgd,
+    world_size: int = WORLD_SIZE,
+) -> StepWork:
     model_on_meta = _gpt(blocks)
-    with fake_cluster(WORLD_SIZE, rank=5) as cluster:
-        mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
+    with fake_cluster(world_size, rank=world_size - 1) as cluster:
+        mesh = DeviceMesh("cuda", list(range(world_size)))
         model = materialise(model_on_meta, "cuda")
         optimizer = make_optimizer(model.parameters())
         config = ZeroConfig(stage=stage, cpu_offload=cpu_offload, bucket_size_mb=0.0001)
@@ -60,10 +66,15 @@ def zero_step(blocks: int, stage: int, cpu_offload: bool, make_optimizer: Callab
         return StepWork(len(list(model.parameters())), after_backward.since(start), end.since(after_backward))
 
 
-def gemini_step(blocks: int, placement: StaticPlacement, make_optimizer: Callable[[Any], Any] = _sgd) -> StepWork:
+def gemini_step(
+    blocks: int,
+    placement: StaticPlacement,
+    make_optimizer: Callable[[Any], Any] = _sgd,
+    world_size: int = WORLD_SIZE,
+) -> StepWork:
     model_on_meta = _gpt(blocks)
-    with fake_cluster(WORLD_SIZE, rank=5) as cluster:
-        mesh = DeviceMesh("cuda", list(range(WORLD_SIZE)))
+    with fake_cluster(world_size, rank=world_size - 1) as cluster:
+        mesh = DeviceMesh("cuda", list(range(world_size)))
         model = materialise(model_on_meta, "cuda")
         optimizer = make_optimizer(model.parameters())
         engine = GeminiEngine(
@@ -89,6 +100,13 @@ MODES = {
     "gemini_offload": lambda blocks: gemini_step(
         blocks, StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0)
     ),
+    # One GPU, where nothing is sharded and every wait is the engine's own overhead (the GPU run's 1.27-1.28x).
+    "zero2_one_rank": lambda blocks: zero_step(blocks, 2, False, world_size=1),
+    "zero2_offload_one_rank": lambda blocks: zero_step(blocks, 2, True, world_size=1),
+    "gemini_one_rank": lambda blocks: gemini_step(blocks, StaticPlacement(), world_size=1),
+    "gemini_offload_one_rank": lambda blocks: gemini_step(
+        blocks, StaticPlacement(offload_optim_frac=1.0, offload_param_frac=1.0), world_size=1
+    ),
 }
 
 
@@ -105,7 +123,7 @@ def test_a_backward_writes_no_number_into_device_memory(mode):
 #: reduced gradients with one wait, gemini/manager.py [Note: reduced gradients drained to the host once]).
 GROWING: dict[str, str] = {}
 #: Waits beyond the vote: the one wait for every offloaded chunk's reduced gradient on its way to the host.
-DRAIN_WAITS = {"gemini_offload": 1}
+DRAIN_WAITS = {"gemini_offload": 1, "gemini_offload_one_rank": 1}
 
 
 @pytest.mark.parametrize(
@@ -118,6 +136,21 @@ def test_the_waits_of_a_backward_do_not_grow_with_the_number_of_parameters(mode)
     assert large.backward.waits == small.backward.waits, (small.backward, large.backward)
     # The vote over which parameters got a gradient (host flags to the device and back), and Gemini's closing round.
     assert large.backward.waits <= 4 + DRAIN_WAITS.get(mode, 0), large.backward
+
+
+@pytest.mark.parametrize("mode", ["zero2_one_rank", "zero2_offload_one_rank", "gemini_one_rank"])
+def test_one_rank_backward_launches_one_kernel_per_gradient(mode):  # offloaded: and one copy
+    """At one rank nothing is exchanged, so a backward's device work is each gradient added where the step reads it:
+    one kernel per parameter, as torch DDP's copy into its bucket (stages.py [Note: ZeRO-2 on one rank]; Gemini adds
+    into the chunk's gradient, then folds a chunk with one foreach call). It was three per parameter for ZeRO-2
+    (a memset per bucket, a staging copy and an add) and two for Gemini."""
+    # Offloaded, each reduced gradient is also copied to its host master's gradient: one asynchronous copy per
+    # parameter (one wait for all), which one copy of the whole accumulator could replace (not done yet).
+    per_parameter = 2 if "offload" in mode else 1
+    for blocks in (2, 4):
+        work = MODES[mode](blocks)
+        chunks_or_buckets = 8  # the foreach folds and end-of-backward work, a few per step whatever the model
+        assert work.backward.kernels <= per_parameter * work.parameters + chunks_or_buckets, (blocks, work.backward)
 
 
 if __name__ == "__main__":
