@@ -99,8 +99,15 @@ def _device_ids_for_barrier(group: ProcessGroup | None) -> list[int] | None:
 _BACKEND_DEVICE_TYPES: dict[str, tuple[str, ...]] = {"nccl": ("cuda",)}
 
 
+#: Groups made by ``host_group_like`` (by id): they take host tensors whatever their backend's name says (the fake-GPU
+#: tier makes them with its own backend).
+_HOST_GROUP_IDS: set[int] = set()
+
+
 def group_device_types(group: ProcessGroup | None = None) -> tuple[str, ...]:
     """The device types whose tensors ``group``'s collectives take, the one to move small tensors to first."""
+    if group is not None and id(group) in _HOST_GROUP_IDS:
+        return ("cpu",)
     name = backend(group)
     if name in _BACKEND_DEVICE_TYPES:
         return _BACKEND_DEVICE_TYPES[name]
@@ -483,6 +490,33 @@ def new_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGro
         )
     set_group_timeout(second, timeout)
     return second
+
+
+def host_group_like(group: ProcessGroup | None, timeout: timedelta) -> ProcessGroup | None:
+    """A group over the ranks of ``group`` whose collectives take host tensors: ``group`` itself when it does (gloo),
+    else a gloo group beside it, made once per process (a collective: every rank of the world must call it).
+
+    [Note: votes on the host]
+    An engine's votes (which chunks a gather round serves, which parameters got a gradient on any rank) are a few
+    flags made on the host and read on the host. On an NCCL group they went to the device and back: a copy, the
+    collective, a copy back and a wait for the device's whole queue, once per gather round (hundreds per step under
+    Gemini at several GPUs) and once per backward, each stalling the host while the GPU still had work queued. On a
+    gloo group beside it they never touch the device: a host all-reduce over the same ranks, the GPU's queue keeps
+    running. The votes order nothing on the device (the gathers and reductions they decide run on the device groups),
+    so two communicators are not a matching problem here ([Note: two groups] in ``gemini/manager.py``).
+    """
+    if not is_initialized():
+        return None
+    if "cpu" in group_device_types(group):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    with Collective("new_group", group):  # every rank must reach it: a rank missing here hangs the others
+        host = reuse_or_create(
+            ("host_group", ranks), lambda: dist.new_group(ranks=list(ranks), timeout=timeout, backend="gloo")
+        )
+    set_group_timeout(host, timeout)
+    _HOST_GROUP_IDS.add(id(host))
+    return host
 
 
 def gather_along(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = None) -> torch.Tensor:

@@ -112,6 +112,8 @@ class GeminiEngine(EngineDiskTier):
         self.auto = isinstance(config.placement, AutoPlacement)
         # Gradient reductions get their own group: see manager.py [Note: two groups].
         self.reduce_group = collectives.new_group_like(self.process_group, timeout) if self.world_size > 1 else None
+        # The gather rounds' and the gradients' votes: collectives.py [Note: votes on the host].
+        self.vote_group = collectives.host_group_like(self.process_group, timeout) if self.world_size > 1 else None
         scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
         self.manager = ChunkManager(
             specs,
@@ -306,6 +308,7 @@ class GeminiEngine(EngineDiskTier):
             self.manager,
             self.chunk_of,
             self.process_group,
+            self.vote_group,
             self.compute_device,
             self.tracer,
             evictor,

@@ -111,6 +111,8 @@ class ChunkHooks:
         manager: every chunk of this rank.
         chunk_of: ``id(parameter)`` to its chunk and member position, for every chunked parameter.
         process_group: the data-parallel ranks (gather rounds).
+        vote_group: the same ranks on the host, for the rounds' and the gradients' votes (``None`` at one rank;
+            collectives.py [Note: votes on the host]).
         compute_device: where modules run.
         tracer: the warm-up trace (automatic placement and prefetch plan against it).
         evictor: automatic placement's evictions; ``None`` under static placement.
@@ -123,6 +125,7 @@ class ChunkHooks:
         manager: ChunkManager,
         chunk_of: Mapping[int, tuple[Chunk, int]],
         process_group: ProcessGroup,
+        vote_group: ProcessGroup | None,
         compute_device: torch.device,
         tracer: MemoryTracer,
         evictor: Evictor | None,
@@ -131,6 +134,7 @@ class ChunkHooks:
         self.manager = manager
         self.chunk_of = chunk_of
         self.process_group = process_group
+        self.vote_group = vote_group if vote_group is not None else process_group
         self.world_size = collectives.world_size(process_group)
         self.compute_device = compute_device
         self.tracer = tracer
@@ -319,7 +323,7 @@ class ChunkHooks:
             values.append(-float(self._complete_in_order()) if self.reductions_wait_for_rounds else 0.0)
             flags = torch.tensor(values, dtype=torch.float32)
             with Activity(_describe_round, requested, chunks):
-                collectives.all_reduce(flags, op="max", group=self.process_group)
+                collectives.all_reduce(flags, op="max", group=self.vote_group)
             agreed = flags.tolist()
             union = [index for index in range(len(chunks)) if agreed[index] > 0]
             anyone_asked = agreed[-2] > 0
@@ -488,7 +492,7 @@ class ChunkHooks:
         self._next_to_reduce = len(self.manager.chunks) - 1
         self._backward_callback_queued = False
         self._expect_every_gradient()
-        received = self.received.on_any_rank(self.process_group)
+        received = self.received.on_any_rank(self.vote_group)
         self.manager.attach_master_gradients(lambda parameter: received[self._flag_of[id(parameter)]])
         self.tracer.finish()
 

@@ -213,11 +213,13 @@ class CollectiveRecorder:
     def _record(self, name: str, group: Any, *tensors: Any) -> None:
         group = group if group is not None else dist.group.WORLD
         real = [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
+        # A group made as a host group (gloo beside NCCL) takes host tensors only; every other group device tensors.
+        takes = "cpu" if collectives.group_device_types(group) == ("cpu",) else self.device_type
         for tensor in real:
-            if tensor.device.type != self.device_type:
+            if tensor.device.type != takes:
                 raise WrongDevice(
                     f"{name} of a {tensor.device.type} tensor {tuple(tensor.shape)} on a group that takes"
-                    f" {self.device_type} tensors only (NCCL: 'No backend type associated with device type"
+                    f" {takes} tensors only (NCCL: 'No backend type associated with device type"
                     f" {tensor.device.type}')"
                 )
         self.calls.append(
@@ -387,6 +389,12 @@ def fake_cluster(world_size: int, rank: int = 0) -> Iterator[FakeCluster]:
     runtime = FakeRuntime()
     saved = {name: getattr(dist, name) for name in recorder.replacements() if hasattr(dist, name)}
     mesh_init = DeviceMesh.__init__
+    new_group = dist.new_group
+
+    def fake_host_group(*args: Any, backend: Any = None, **kwargs: Any) -> Any:
+        # A gloo group beside the devices' groups (collectives.host_group_like) would connect to peers that are not
+        # there: it is a fake group too, which the recorder lets take host tensors.
+        return new_group(*args, backend="fake" if backend == "gloo" else backend, **kwargs)
 
     def mesh_outside_fake_mode(mesh: DeviceMesh, *args: Any, **kwargs: Any) -> None:
         # A mesh holds a real tensor of ranks and reads it (coordinates): built with the fake modes set aside.
@@ -395,6 +403,7 @@ def fake_cluster(world_size: int, rank: int = 0) -> Iterator[FakeCluster]:
 
     try:
         DeviceMesh.__init__ = mesh_outside_fake_mode  # type: ignore[method-assign]
+        dist.new_group = fake_host_group
         for name, replacement in recorder.replacements().items():
             setattr(dist, name, replacement)
         with ExitStack() as stack:
@@ -407,6 +416,7 @@ def fake_cluster(world_size: int, rank: int = 0) -> Iterator[FakeCluster]:
             yield FakeCluster(world_size, rank, recorder, runtime, work)
     finally:
         DeviceMesh.__init__ = mesh_init  # type: ignore[method-assign]
+        dist.new_group = new_group
         for name in recorder.replacements():
             if name in saved:
                 setattr(dist, name, saved[name])

@@ -138,6 +138,15 @@ def test_the_waits_of_a_backward_do_not_grow_with_the_number_of_parameters(mode)
     assert large.backward.waits <= 4 + DRAIN_WAITS.get(mode, 0), large.backward
 
 
+@pytest.mark.parametrize("mode", ["gemini", "gemini_offload"])
+def test_gemini_votes_on_the_host_and_waits_only_for_offloaded_gradients(mode):
+    """The gather rounds' and the gradients' votes go over a host group beside the devices' groups
+    (collectives.py [Note: votes on the host]): at 8 ranks a backward waits for nothing but, offloaded, the one drain
+    of the reduced gradients. It waited 4 times (the flags to the device and back, twice)."""
+    work = MODES[mode](4)
+    assert work.backward.waits == DRAIN_WAITS.get(mode, 0), work.backward
+
+
 @pytest.mark.parametrize("mode", ["zero2_one_rank", "zero2_offload_one_rank", "gemini_one_rank"])
 def test_one_rank_backward_launches_one_kernel_per_gradient(mode):  # offloaded: and one copy
     """At one rank nothing is exchanged, so a backward's device work is each gradient added where the step reads it:
