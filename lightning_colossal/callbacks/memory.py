@@ -38,7 +38,7 @@ from lightning_colossal.callbacks.memory_accounting import (
 from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed import device as devices
 from lightning_colossal.gemini import GeminiEngine
-from lightning_colossal.zero import ZeroEngine
+from lightning_colossal.zero import ZeroEngine, ZeroMemoryReport
 
 __all__ = ["MODEL_STATE_KEYS", "MemoryMonitor", "measure_memory"]
 
@@ -53,12 +53,20 @@ def measure_memory(trainer: Trainer, pl_module: LightningModule) -> dict[str, An
     ``disk_bytes`` / ``disk_staging_bytes`` with the disk tier) and, on
     Gemini, ``"chunks"``: per chunk ``(compute_bytes, offload_bytes)``.
     """
-    engine = getattr(trainer.strategy, "engine", None)
+    engines = list(getattr(trainer.strategy, "engines", None) or [])
+    engine = engines[0] if len(engines) == 1 else None
     data_parallel = getattr(engine, "data_parallel", None)
     if not isinstance(engine, GeminiEngine | ZeroEngine) and isinstance(data_parallel, ZeroEngine):
         engine = data_parallel  # colossal_hybrid with ZeRO: its ZeRO engine holds the gradients and masters
     record: dict[str, Any] = {}
-    if isinstance(engine, GeminiEngine):
+    if len(engines) > 1:
+        # ZeRO with one engine per optimizer: what they hold together.
+        report = ZeroMemoryReport.combined([each.memory_report() for each in engines])
+        state = zero_model_state_bytes(report._asdict())
+        if report.disk_bytes:
+            record["disk_bytes"] = report.disk_bytes
+            record["disk_staging_bytes"] = report.disk_staging_bytes
+    elif isinstance(engine, GeminiEngine):
         report = engine.memory_report()
         chunks = report.chunks
         state = gemini_model_state_bytes({**report._asdict(), "chunks": chunks._asdict()})

@@ -68,7 +68,11 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
     manual_optimization_refusal = (
         "the strategy owns when gradients are reduced and, with pipelines, runs backward itself"
     )
-    manual_optimization_alternatives = "`colossal_ddp`"
+    # With tp_size = pp_size = 1 colossal_hybrid is ZeRO over the data-parallel ranks, which the ZeRO strategies run.
+    manual_optimization_alternatives = (
+        "`colossal_zero1` / `colossal_zero2` (ZeRO over the data-parallel ranks, as colossal_hybrid with tp_size ="
+        " pp_size = 1) or `colossal_ddp`"
+    )
 
     def __init__(
         self,
@@ -114,7 +118,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             ep_size=ep_size,
         )
         self.policy = policy
-        self.engine: HybridEngine | None = None
+        self.engine = None  # the HybridEngine, made at the first `setup` (EngineStrategy.engine)
         self._stashed_gradients = GradientStash()
 
     def _build_parallel_dims(self) -> ParallelDims:
@@ -146,7 +150,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
         # device, materialised).
         self._running_statistics = modules_with_running_statistics(self.model)
 
-    def _setup_engine(self, trainer: pl.Trainer, fitting: bool) -> HybridEngine:
+    def _setup_engines(self, trainer: pl.Trainer, fitting: bool) -> list[HybridEngine]:
         assert self.lightning_module is not None
         # Built once per strategy: a second run of the same Trainer keeps it, the module already holds its pieces.
         engine = self.engine if self.engine is not None else self._parallelise_module(self.lightning_module)
@@ -155,7 +159,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
                 trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
             )
             engine.attach_optimizer(optimizer)  # replaces (and unhooks) an earlier fit's data parallelism
-        return engine
+        return [engine]
 
     def _parallelise_module(self, module: pl.LightningModule) -> HybridEngine:
         """Split ``module``'s model in place (once per strategy: the module then holds only this rank's pieces)."""

@@ -1,5 +1,5 @@
-"""The optimizers a strategy builds: the one optimizer a sharding engine takes over, and the user's optimizer inside
-Lightning's wrapper.
+"""The optimizers a strategy builds: those the sharding engines take over (every optimizer under ZeRO, exactly one
+under Gemini and hybrid parallelism), and the user's optimizer inside Lightning's wrapper.
 
 ``OptimizerSetupMixin`` is a part of ``ColossalStrategy`` (``strategies/base.py``), split out by what it owns.
 """
@@ -21,12 +21,37 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
 class OptimizerSetupMixin(ParallelStrategy):
     """Set-up steps on optimizers that several modes share (see the module docstring)."""
 
+    def _setup_engine_optimizers(self, trainer: Any) -> list[Optimizer]:
+        """Build every optimizer ``configure_optimizers`` returns, for one engine each (ZeRO).
+
+        Lightning itself refuses several optimizers under automatic optimization, with the fix (manual optimization,
+        which these engines take); a trainable parameter in two optimizers is refused here, as two engines would each
+        shard it.
+        """
+        self.setup_optimizers(trainer)
+        optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
+        owner: dict[int, int] = {}
+        for index, optimizer in enumerate(optimizers):
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if not parameter.requires_grad:
+                        continue  # frozen: no engine takes it (optimizer_takeover.py [Note: optimizer takeover])
+                    first = owner.setdefault(id(parameter), index)
+                    if first != index:
+                        raise ValueError(
+                            f"A parameter of shape {tuple(parameter.shape)} is in optimizer {first} and in optimizer"
+                            f" {index}: {type(self).__name__} shards each optimizer's parameters separately, so a"
+                            " parameter must belong to one optimizer only. Give each parameter to one optimizer (one"
+                            " param group per setting within it)."
+                        )
+        return optimizers
+
     def _setup_single_optimizer(self, trainer: Any, manual_reason: str, manual_alternatives: str) -> Optimizer:
         """Build the one optimizer a sharding engine takes over; refuse manual optimization and several optimizers.
 
         Args:
             manual_reason: why the engine cannot leave the step to the user (what it owns).
-            manual_alternatives: the strategy names to use instead for manual optimization.
+            manual_alternatives: the strategy names to use instead for manual optimization and several optimizers.
         """
         assert self.lightning_module is not None
         name = type(self).__name__

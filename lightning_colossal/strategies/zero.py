@@ -35,7 +35,8 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
 
     # The constructor names each ZeroConfig field once more, as LightningCLI reads arguments from the signature.
     argument_doc_sources = (ZeroConfig,)
-    manual_optimization_refusal = "the engine owns when gradients are reduced and parameters re-synchronised"
+    # One engine per optimizer, manual optimization included (engines_by_optimizer.py [Note: one engine per optimizer]).
+    takes_several_optimizers = True
 
     def __init__(
         self,
@@ -94,33 +95,36 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
     def model_state_for_checkpoint(self) -> dict[str, Any]:
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        # After fit, the fit's engine still holds the unrounded masters (engine_strategy.py [Note: a fit's optimizer
-        # outlives the evaluation after it]).
-        engine = self._checkpoint_engine()
-        return state if engine is None else engine.with_precise_masters(state)
+        # After fit, the fit's engines still hold the unrounded masters (engine_strategy.py [Note: a fit's optimizer
+        # outlives the evaluation after it]); each puts in those of its own optimizer's parameters.
+        for engine in self._checkpoint_engines():
+            state = engine.with_precise_masters(state)
+        return state
 
     def _on_model_state_loaded(self) -> None:
-        if self.engine is not None:
-            self.engine.resync_after_model_state_loaded()
+        for engine in self.engines:
+            engine.resync_after_model_state_loaded()
 
     def weights_for_averaging(self) -> dict[str, Any]:
         # This rank's master rows even where they are rows of the fp32 parameters: the average then takes
         # 4 bytes x parameters / ranks, not a whole copy per rank.
         assert self.lightning_module is not None
-        engine = self._checkpoint_engine()
-        if engine is None:
+        engines = self._checkpoint_engines()
+        if not engines:
             return super().weights_for_averaging()
-        return self._averageable(engine.with_precise_masters(self.lightning_module.state_dict(), always=True))
+        state = self.lightning_module.state_dict()
+        for engine in engines:
+            state = engine.with_precise_masters(state, always=True)
+        return self._averageable(state)
 
     def after_averaged_weights_written(self) -> None:
-        # The masters were written: every replica's parameters follow them (one exchange).
-        if self.engine is not None:
-            self.engine.masters_to_parameters()
+        # The masters were written: every replica's parameters follow them (one exchange per engine).
+        for engine in self.engines:
+            engine.masters_to_parameters()
 
     def _load_full_model_state(self, state_dict: Mapping[str, Tensor], strict: bool) -> None:
         assert self.lightning_module is not None
         self.lightning_module.load_state_dict(state_dict, strict=strict)
-        if self.engine is None:
-            return
         # The file may hold fp32 weights: masters take them unrounded, not the (possibly bf16) parameters.
-        self.engine.parameters_to_masters(full_weights=state_dict)
+        for engine in self.engines:
+            engine.parameters_to_masters(full_weights=state_dict)

@@ -64,6 +64,14 @@ class ZeroMemoryReport(NamedTuple):
     disk_bytes: int = 0  # optimizer state the disk tier holds for this rank (not in ``optimizer_state_bytes``)
     disk_staging_bytes: int = 0  # host buffers the disk tier streams that state through during a step
 
+    @classmethod
+    def combined(cls, reports: Sequence[ZeroMemoryReport]) -> ZeroMemoryReport:
+        """What several engines over one model hold together (one engine per optimizer): the model's parameters
+        once, as each report counts all of them, and the sum of everything each engine holds of its own."""
+        first = reports[0]
+        summed = {field: sum(getattr(report, field) for report in reports) for field in cls._fields}
+        return cls(**{**summed, "parameter_bytes": first.parameter_bytes, "num_parameters": first.num_parameters})
+
 
 class ReducedGradient(NamedTuple):
     """A reduced gradient this rank holds for the optimizer step: the rows it owns under ZeRO, the whole gradient
@@ -154,6 +162,8 @@ class ZeroEngine(EngineDiskTier):
         self.exchange = ParameterExchange(self.reducer, self.process_group, self.use_scatter_gather)
         #: Whether this step's ``step_optimizer`` already exchanged the rows ([Note: exchange overlapped with the step]).
         self._exchanged_in_step = False
+        #: The masters given a gradient since the last step ([Note: gradients stay until the step]).
+        self._masters_with_gradients: list[Tensor] = []
         self.sharded_masters = [
             ShardedMaster(member.name, member.spec, master)
             for member, master in zip(self.members, self.masters, strict=True)
@@ -289,7 +299,22 @@ class ZeroEngine(EngineDiskTier):
 
     def _attach_master_gradients(self) -> None:
         """After a reduction: point (or copy) each master's ``.grad`` at this rank's reduced gradient rows; masters
-        of parameters that no rank gave a gradient get none (sharded_state.py [Note: gradients nobody produced])."""
+        of parameters that no rank gave a gradient get none (sharded_state.py [Note: gradients nobody produced]).
+
+        [Note: gradients stay until the step]
+        The reduced gradients accumulate in the engine's own buffers (stage 1's buckets, stage 2's accumulator) over
+        every backward pass until the optimizer step, which clears them (``after_step``); the masters' ``.grad`` only
+        show them. So ``optimizer.zero_grad()`` between two backward passes of one step (manual optimization) cannot
+        drop what the first one reduced: that is refused here, at the next reduction, rather than stepping on
+        gradients the user meant to discard. Right after a step, or before the first backward of a step, it is fine.
+        """
+        if any(master.grad is None for master in self._masters_with_gradients):
+            raise RuntimeError(
+                "The optimizer's gradients were cleared (`optimizer.zero_grad()`) between two backward passes with no"
+                " optimizer step in between. ZeRO keeps the gradients reduced so far in its own buffers until the"
+                " step, so it cannot drop them there. Call `zero_grad()` right after `optimizer.step()` (or before the"
+                " first backward of a step), and to leave a backward's gradients out of a step, do not run it."
+            )
         received = self.reducer.received.on_any_rank(self.process_group)
         offset = 0
         copies: list[tuple[Tensor, Tensor]] = []
@@ -308,6 +333,7 @@ class ZeroEngine(EngineDiskTier):
                 master.grad = target
                 offset += numel
         devices.copy_all(copies)  # waited for: the optimizer reads them on the host
+        self._masters_with_gradients = [master for master in self.masters if master.grad is not None]
         replicated = [
             master.grad
             for member, master in zip(self.members, self.masters, strict=True)
@@ -330,6 +356,11 @@ class ZeroEngine(EngineDiskTier):
             and self.use_scatter_gather
             and not collectives.sends_directly(self.process_group)
         )
+
+    def stepped_parameters(self) -> list[Tensor]:
+        """The model parameters the optimizer steps through this engine (their masters, or as they are when kept
+        whole)."""
+        return [member.parameter for member in self.members] + [entry.master for entry in self.whole_entries]
 
     def after_backward(self, reduction_deferred: bool) -> None:
         """After the last backward of a step. The gradient hooks reduced during backward, unless it ran inside
@@ -377,6 +408,7 @@ class ZeroEngine(EngineDiskTier):
         """Publish the step's result to every replica (unless ``step_optimizer`` already did), then clear gradients
         for the next step."""
         exchanged, self._exchanged_in_step = self._exchanged_in_step, False
+        self._masters_with_gradients = []
         if stepped and not exchanged:
             with torch.no_grad():
                 if self.master_buffer is not None:

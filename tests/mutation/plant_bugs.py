@@ -201,6 +201,30 @@ BUGS = [
         ),
         (f"{DIST}/test_zero_oracle.py", NEW_SCALE),
     ),
+    Bug(
+        "toggle-misses-parameters",
+        "With one ZeRO engine per optimizer, toggle_optimizer changes only the masters' flags, not the parameters'",
+        (
+            (
+                "lightning_colossal/strategies/engine_strategy.py",
+                "            wrap_toggling(self.lightning_module, self._parameters_stepped_by)\n",
+                "            pass\n",
+            ),
+        ),
+        (f"{DIST}/test_manual_optimization.py",),
+    ),
+    Bug(
+        "wrong-engine-after-step",
+        "With one ZeRO engine per optimizer, every optimizer step publishes the first engine's rows",
+        (
+            (
+                "lightning_colossal/strategies/engine_strategy.py",
+                "self.engine_of(optimizer).after_step(",
+                "self.engines[0].after_step(",
+            ),
+        ),
+        (f"{DIST}/test_manual_optimization.py",),
+    ),
 ]
 
 
