@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_colossal.engine_parts.autograd_graph import leaves_reached_from
@@ -42,13 +43,18 @@ def include_unused_parameters_in_reduction(roots: Sequence[FSDPModule]) -> bool:
 class UnusedGradientTracker:
     """Tracks, per optimizer step, which sharded parameters got a gradient on any rank (see the Note)."""
 
-    def __init__(self, module: nn.Module, torch_reduces_unused: bool = True) -> None:
+    def __init__(
+        self, module: nn.Module, torch_reduces_unused: bool = True, vote_group: ProcessGroup | None = None
+    ) -> None:
         # Module order: the same on every rank, so the flags line up in the all-reduce.
         self.parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
         self._position_of = {id(parameter): position for position, parameter in enumerate(self.parameters)}
         # Host flags (sharded_state.py [Note: gradients nobody produced]): no device write per parameter per step.
         self.reached = GradientArrivals(len(self.parameters))
         self.torch_reduces_unused = torch_reduces_unused
+        #: Where the ranks vote on the flags: a host group beside NCCL (collectives.py [Note: votes on the host]), or
+        #: the default group.
+        self.vote_group = vote_group
 
     def before_backward(self, loss: Tensor, module: nn.Module) -> Tensor:
         """Record the parameters ``loss`` reaches (in the graph they are FSDP's unsharded parameters); returns the
@@ -76,7 +82,7 @@ class UnusedGradientTracker:
 
     def after_synchronising_backward(self) -> None:
         """After the backward that reduced gradients: drop the zero gradients of parameters no rank reached."""
-        for parameter, reached in zip(self.parameters, self.reached.on_any_rank(None), strict=True):
+        for parameter, reached in zip(self.parameters, self.reached.on_any_rank(self.vote_group), strict=True):
             if not reached:
                 parameter.grad = None
         self.reached.clear()

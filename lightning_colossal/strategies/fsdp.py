@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import FSDPConfig
+from lightning_colossal.distributed import collectives
 from lightning_colossal.distributed.mesh import named_device_mesh
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.engine_parts.whole_parameters import whole_dtensor_parameters
@@ -132,7 +133,11 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
-            self._gradient_tracker = UnusedGradientTracker(self.lightning_module, torch_reduces_unused)
+            self._gradient_tracker = UnusedGradientTracker(
+                self.lightning_module,
+                torch_reduces_unused,
+                vote_group=collectives.host_group_like(None, self._timeout) if self.world_size > 1 else None,
+            )
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:

@@ -89,7 +89,9 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
             # Without the engine nothing broadcasts rank 0's weights; do it once so every rank evaluates the same model.
             _sync_module_states(self.model)
             return None
-        return ZeroEngine(self.model, optimizer, self.zero_config, self.device_mesh["dp"], self.root_device)
+        return ZeroEngine(
+            self.model, optimizer, self.zero_config, self.device_mesh["dp"], self.root_device, timeout=self._timeout
+        )
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def model_state_for_checkpoint(self) -> dict[str, Any]:

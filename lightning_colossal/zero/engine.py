@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -38,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import ZeroConfig, bucket_numel
+from lightning_colossal.config import DEFAULT_COLLECTIVE_TIMEOUT, ZeroConfig, bucket_numel
 from lightning_colossal.disk.engine_tier import EngineDiskTier
 from lightning_colossal.disk.optimizer_state import DiskOptimizerState, is_placeholder, open_disk_state, placeholder
 from lightning_colossal.distributed import collectives
@@ -97,6 +98,7 @@ class ZeroEngine(EngineDiskTier):
         kept_whole: ids of parameters that differ between the ranks of ``device_mesh`` (hybrid's expert slices),
             which the caller reduces: no master, no broadcast, no sharding; the optimizer steps them as they are, and
             their state is saved by name beside the masters' (described by ``describe`` too).
+        timeout: collective timeout of the host group the engine votes on (made only over the whole world).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class ZeroEngine(EngineDiskTier):
         compute_device: torch.device,
         describe: Callable[[ShardedMaster, Tensor], Tensor] | None = None,
         kept_whole: frozenset[int] = frozenset(),
+        timeout: timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
     ) -> None:
         self.module = module
         self.describe = describe
@@ -118,6 +121,15 @@ class ZeroEngine(EngineDiskTier):
         self.process_group: ProcessGroup = device_mesh.get_group()
         self.world_size = collectives.world_size(self.process_group)
         self.rank = collectives.rank(self.process_group)
+        # Which parameters got a gradient on any rank is voted on the host (collectives.py [Note: votes on the host]).
+        # Making that group is a collective of the whole world, so only an engine over the whole world makes one
+        # (inside hybrid parallelism each data-parallel group's engine votes on its own group).
+        spans_world = self.world_size == collectives.world_size(None)
+        self.vote_group = (
+            collectives.host_group_like(self.process_group, timeout)
+            if self.world_size > 1 and spans_world
+            else self.process_group
+        )
         self.compute_device = compute_device
         self.offload_device = torch.device("cpu") if config.cpu_offload else compute_device
         _validate_optimizer(optimizer, config)
@@ -315,7 +327,7 @@ class ZeroEngine(EngineDiskTier):
                 " step, so it cannot drop them there. Call `zero_grad()` right after `optimizer.step()` (or before the"
                 " first backward of a step), and to leave a backward's gradients out of a step, do not run it."
             )
-        received = self.reducer.received.on_any_rank(self.process_group)
+        received = self.reducer.received.on_any_rank(self.vote_group)
         offset = 0
         copies: list[tuple[Tensor, Tensor]] = []
         for member, master, member_received in zip(self.members, self.masters, received, strict=True):
