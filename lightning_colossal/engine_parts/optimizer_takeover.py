@@ -15,8 +15,9 @@ SparseAdam, which are refused (``WHOLE_PARAMETER_OPTIMIZERS``). An optimizer fro
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.optim.optimizer as torch_optimizer_module
@@ -109,6 +110,50 @@ def swap_parameters(optimizer: Optimizer, replacement: Mapping[int, Tensor]) -> 
     ones without a replacement (frozen parameters: they never have a gradient to step)."""
     for group in optimizer.param_groups:
         group["params"] = [replacement[id(parameter)] for parameter in group["params"] if id(parameter) in replacement]
+
+
+def give_back(
+    optimizer: Optimizer, user_groups: Sequence[Sequence[Tensor]], parameter_of: Mapping[int, Tensor]
+) -> None:
+    """Undo ``swap_parameters``: the groups the engine took over hold the user's parameters again (frozen ones too),
+    groups added since stay as added, and the optimizer's state moves from each master to its parameter
+    (``parameter_of`` maps a master's id to its parameter)."""
+    for group, parameters in zip(optimizer.param_groups, user_groups, strict=False):
+        group["params"] = list(parameters)
+    rekey_state(optimizer, parameter_of)
+
+
+#: Marks the ``add_param_group`` that ``on_group_added`` puts on an optimizer instance.
+_WATCHER = "_engine_watches_added_groups"
+
+
+def on_group_added(optimizer: Optimizer, before: Callable[[], None]) -> None:
+    """Call ``before()`` whenever a param group is about to be added to ``optimizer`` (``add_param_group`` on this
+    instance runs it first); undone by ``stop_watching_groups``."""
+    stop_watching_groups(optimizer)
+    add_param_group = optimizer.add_param_group
+
+    def watched(param_group: dict[str, Any]) -> None:
+        before()
+        add_param_group(param_group)
+
+    setattr(watched, _WATCHER, True)
+    optimizer.__dict__["add_param_group"] = watched
+
+
+def stop_watching_groups(optimizer: Optimizer) -> None:
+    """Remove what ``on_group_added`` put on ``optimizer`` (nothing the user set)."""
+    if getattr(optimizer.__dict__.get("add_param_group"), _WATCHER, False):
+        del optimizer.__dict__["add_param_group"]
+
+
+def rekey_state(optimizer: Optimizer, new_key_of: Mapping[int, Tensor]) -> None:
+    """Move each entry of ``optimizer.state`` whose key's id is in ``new_key_of`` to that tensor (a parameter to its
+    master, or back)."""
+    for key in list(optimizer.state):
+        replacement = new_key_of.get(id(key))
+        if replacement is not None and replacement is not key:
+            optimizer.state[replacement] = optimizer.state.pop(key)
 
 
 def steps_each_parameter_alone(optimizer: Optimizer) -> bool:

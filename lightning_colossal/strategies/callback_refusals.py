@@ -37,16 +37,34 @@ def refuse_averaging_callbacks(callbacks: Iterable[Any], strategy_name: str, pie
             )
 
 
-def refuse_finetuning_callbacks(callbacks: Iterable[Any], strategy_name: str) -> None:
-    """Raise when ``callbacks`` hold a ``BaseFinetuning`` callback (``BackboneFinetuning``): it adds parameters to the
-    optimizer mid-run, which an engine that took the optimizer over at setup cannot take (its masters, shards and
-    gradient buckets are laid out once). It failed with a ``KeyError`` inside the callback."""
+def refuse_finetuning_callbacks(callbacks: Iterable[Any], strategy_name: str, takes_joining_parameters: bool) -> None:
+    """Raise when ``callbacks`` hold a ``BaseFinetuning`` callback (``BackboneFinetuning``).
+
+    The callback names the optimizer's parameters through ``pl_module.named_parameters()`` at every epoch start and, on
+    resume, rebuilds the optimizer's groups from those names: it needs the groups to hold the module's parameters,
+    where an engine that took the optimizer over holds its masters (rows of them) instead. It failed with a
+    ``KeyError`` inside the callback. Where the engine takes parameters that join later
+    (``takes_joining_parameters``: ZeRO), the same unfreezing written by hand works, and the message says how.
+    """
     for callback in callbacks:
-        if isinstance(callback, lightning_callbacks.BaseFinetuning):
-            raise ValueError(
-                f"{type(callback).__name__} adds parameters to the optimizer during training, but under"
-                f" {strategy_name} the engine took over the optimizer's parameters at setup and cannot take more."
+        if not isinstance(callback, lightning_callbacks.BaseFinetuning):
+            continue
+        if takes_joining_parameters:
+            fix = (
+                " Unfreeze by hand instead, which this strategy takes: in `on_train_epoch_start` at the epoch you want,"
+                " `module.requires_grad_(True)` and `optimizer.add_param_group({'params': list(module.parameters()),"
+                " 'lr': ...})` (or build the optimizer over every parameter with the backbone frozen, and only call"
+                " `requires_grad_(True)`)."
+            )
+        else:
+            fix = (
                 " Put the backbone in the optimizer from the start, in its own param group with a lower learning rate"
                 " (a frozen stage is a learning rate of 0 for that group, set by an LR scheduler or a callback that"
-                " edits `param_groups[i]['lr']`), or remove the callback."
+                " edits `param_groups[i]['lr']`), or train with `colossal_zero1` / `colossal_zero2`, `colossal_ddp` or"
+                " `colossal_fsdp`."
             )
+        raise ValueError(
+            f"{type(callback).__name__} reads the optimizer's param groups as the module's parameters, but under"
+            f" {strategy_name} the engine took the optimizer over and its groups hold the engine's master copies."
+            + fix
+        )

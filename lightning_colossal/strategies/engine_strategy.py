@@ -43,6 +43,7 @@ from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.callback_refusals import refuse_finetuning_callbacks
 from lightning_colossal.strategies.engines_by_optimizer import EnginesByOptimizer, combined_norm, engine_of
 from lightning_colossal.strategies.optimizer_toggling import unwrap_toggling, wrap_toggling
+from lightning_colossal.strategies.optimizers import unwrap_optimizer
 
 EngineT = TypeVar("EngineT", bound=StepEngine)
 
@@ -63,6 +64,10 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
     manual_optimization_alternatives: ClassVar[str] = (
         "`colossal_zero1` / `colossal_zero2` (and their `_offload` variants), `colossal_ddp` or `colossal_fsdp`"
     )
+    #: Whether an engine whose optimizer gains parameters mid-run (a group added, a held frozen parameter made
+    #: trainable) is rebuilt to take them (zero/engine.py [Note: parameters that join the optimizer]); otherwise a
+    #: group added is refused.
+    takes_joining_parameters: ClassVar[bool] = False
     #: Releasing the engine is a collective (e.g. gathering whole parameters): skipped at the teardown of a failed
     #: run, whose other ranks may never reach it.
     release_is_collective: ClassVar[bool] = False
@@ -74,6 +79,7 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         #: The engines of the last ``fit``, while they hold the optimizer state of the module's weights
         #: ([Note: a fit's optimizer outlives the evaluation after it]).
         self._fitted_engines: list[EngineT] = []
+        self._group_counts: list[int] = []
 
     @property
     def engine(self) -> EngineT | None:
@@ -99,9 +105,20 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
     def setup(self, trainer: pl.Trainer) -> None:
         fitting = self._prepare_module(trainer)
         if fitting:
-            refuse_finetuning_callbacks(trainer.callbacks, type(self).__name__)
+            refuse_finetuning_callbacks(trainer.callbacks, type(self).__name__, self.takes_joining_parameters)
         self.engines = self._setup_engines(trainer, fitting)
+        self._group_counts = self._optimizer_group_counts()
         self.setup_precision_plugin()
+        self._wire_precision_plugin()
+
+    def _optimizer_group_counts(self) -> list[int]:
+        """How many param groups each engine's optimizer has: one added later is refused where engines cannot take
+        it (``_take_over_joined_parameters``)."""
+        return [len(unwrap_optimizer(optimizer).param_groups) for optimizer in self.optimizers]
+
+    def _wire_precision_plugin(self) -> None:
+        """The precision plugin clips and steps through the engines (precision.py [Note: clipping belongs to the
+        engine])."""
         if len(self.engines) > 1:
             by_optimizer = EnginesByOptimizer(self.engines)
             self.precision_plugin.gradient_clipper = by_optimizer
@@ -206,6 +223,41 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         super().teardown()
 
     # ---------------------------------------------------------------------------------------------- steps
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._take_over_joined_parameters()
+
+    def _take_over_joined_parameters(self) -> None:
+        """Before a batch: an engine whose optimizer gained parameters (a backbone unfrozen by hand: a group added, or a
+        parameter it held frozen made trainable) is rebuilt over it, continuing from its masters and state (zero/engine.py [Note: parameters that
+        join the optimizer]); a mode that cannot rebuild refuses, naming the fix, rather than train them wrongly."""
+        rebuilt = False
+        for index, engine in enumerate(self.engines):
+            gained = getattr(engine, "optimizer_gained_parameters", None)
+            if gained is not None:
+                if not gained():
+                    continue
+                assert self.lightning_module is not None
+                masters = engine.give_back_optimizer()  # type: ignore[attr-defined]
+                replacement = self._build_engine(self.lightning_module.trainer, engine.optimizer)  # type: ignore[attr-defined]
+                assert replacement is not None
+                replacement.adopt_masters(masters)  # type: ignore[attr-defined]
+                self.engines[index] = replacement
+                self._fitted_engines = [replacement if each is engine else each for each in self._fitted_engines]
+                rebuilt = True
+        if rebuilt:
+            self._wire_precision_plugin()
+            self._group_counts = self._optimizer_group_counts()
+            return
+        if self._optimizer_group_counts() != self._group_counts:
+            raise ValueError(
+                f"A param group was added to the optimizer during training, but under {type(self).__name__} the engine"
+                " took over the optimizer's parameters at setup and cannot take more. Put the parameters in the"
+                " optimizer from the start, in their own param group (a frozen stage is a learning rate of 0 for that"
+                " group), or train with `colossal_zero1` / `colossal_zero2`, `colossal_ddp` or `colossal_fsdp`, which"
+                " take parameters that join later."
+            )
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         if not any(isinstance(engine, SkipsGradientSync) for engine in self.engines):

@@ -37,6 +37,9 @@ class ZeroStrategy(EngineStrategy[ZeroEngine]):
     argument_doc_sources = (ZeroConfig,)
     # One engine per optimizer, manual optimization included (engines_by_optimizer.py [Note: one engine per optimizer]).
     takes_several_optimizers = True
+    # Parameters that join an optimizer later rebuild its engine (zero/engine.py [Note: parameters that join the
+    # optimizer]).
+    takes_joining_parameters = True
 
     def __init__(
         self,

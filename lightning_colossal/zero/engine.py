@@ -166,7 +166,16 @@ class ZeroEngine(EngineDiskTier):
             if id(parameter) in held_whole
         ]
         master_of.update({id(entry.master): entry.master for entry in self.whole_entries})
+        #: The groups as the user built them, and the parameters they held frozen (which the takeover drops): what
+        #: ``give_back_optimizer`` restores when parameters join later ([Note: parameters that join the optimizer]).
+        self._user_groups = [list(group["params"]) for group in optimizer.param_groups]
+        self._held_frozen = [
+            parameter for group in self._user_groups for parameter in group if id(parameter) not in master_of
+        ]
         optimizer_takeover.swap_parameters(optimizer, master_of)
+        #: The masters by parameter id once the optimizer was given back ([Note: parameters that join the optimizer]).
+        self._given_back: dict[int, Tensor] | None = None
+        optimizer_takeover.on_group_added(optimizer, self._give_back_before_a_group_joins)
         # See exchange.py [Note: parameter exchange per backend]; for gradients, stages.py's [Note: ZeRO-2 reduction
         # per backend].
         self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
@@ -601,6 +610,68 @@ class ZeroEngine(EngineDiskTier):
 
     def remove(self) -> None:
         self.reducer.remove_hooks()
+        optimizer_takeover.stop_watching_groups(self.optimizer)
+
+    # ---------------------------------------------------------------------------------------------- joining parameters
+    def optimizer_gained_parameters(self) -> bool:
+        """Whether parameters joined the optimizer since the engine took it over: a group added
+        (``optimizer.add_param_group``, as ``BaseFinetuning`` does) or a parameter it held frozen now trainable.
+
+        [Note: parameters that join the optimizer]
+        The engine lays out masters, buckets and hooks for the parameters it takes over, once. A parameter that joins
+        later (a backbone unfrozen at some epoch) would otherwise train on each rank's own gradient, or, held frozen
+        when the optimizer was taken over, never train at all. So between steps the strategy asks this, and when it
+        is true hands the optimizer back (at once when a group is added: ``add_param_group`` is watched, since
+        whoever adds a group may read the groups' parameters next, as ``BaseFinetuning`` does by name) (``give_back_optimizer``: the user's groups of parameters and the state keyed
+        by them) and builds a new engine over it, which continues from this one's masters (``adopt_masters``): the
+        optimizer state and the fp32 masters carry over exactly, as a checkpoint would carry them, and the new
+        parameters get their masters and hooks. It costs one rebuild (a broadcast of the weights) when it happens,
+        and nothing per step but this check.
+        """
+        if self._given_back is not None or len(self.optimizer.param_groups) > len(self._user_groups):
+            return True
+        return any(parameter.requires_grad for parameter in self._held_frozen)
+
+    def _give_back_before_a_group_joins(self) -> None:
+        # Whoever adds a group may read the groups' parameters next (BaseFinetuning names them right away): they must
+        # be the user's, not masters. The strategy builds the next engine before the next batch.
+        if self._given_back is None:
+            self._given_back = self.give_back_optimizer()
+
+    def give_back_optimizer(self) -> dict[int, Tensor]:
+        """Stop driving the model and give the optimizer back as the user built it, groups added since included, its
+        state keyed by the parameters again ([Note: parameters that join the optimizer]). Returns the masters by
+        their parameter's id, for the next engine's ``adopt_masters``."""
+        if self._given_back is not None:
+            return self._given_back
+        if self.disk_state is not None:
+            raise ValueError(
+                "Parameters joined the optimizer (a param group added, or a frozen parameter made trainable), but the"
+                " disk tier holds this engine's optimizer state in records laid out once. Put every parameter in the"
+                " optimizer from the start (a frozen stage is a learning rate of 0 for its group), or turn the disk"
+                " tier off (disk_fraction=0)."
+            )
+        self.remove()
+        parameter_of = {id(master): member.parameter for member, master in zip(self.members, self.masters, strict=True)}
+        optimizer_takeover.give_back(self.optimizer, self._user_groups, parameter_of)
+        self._given_back = {
+            id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)
+        }
+        return self._given_back
+
+    def adopt_masters(self, masters: Mapping[int, Tensor]) -> None:
+        """Continue from an earlier engine over the same optimizer (``give_back_optimizer``): its optimizer state moves
+        to this engine's masters, and its fp32 masters replace the ones this engine made from possibly rounded
+        parameters (the same rows: same ranks, same layout)."""
+        optimizer_takeover.rekey_state(self.optimizer, self._master_of)
+        if self.masters_alias_parameters:
+            return  # the parameters hold the exact values
+        with torch.no_grad():
+            for member, master in zip(self.members, self.masters, strict=True):
+                earlier = masters.get(id(member.parameter))
+                if earlier is not None and not self._on_disk(master):
+                    master.copy_(earlier)
+        self.masters_to_parameters()
 
 
 def _owned_rows(tensor: Tensor, member: ReducedParameter) -> Tensor:

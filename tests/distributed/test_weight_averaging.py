@@ -6,8 +6,8 @@ with plain SGD so a wrong
 gradient scale shows: the validation loss of the averaged weights, the weights after ``fit`` (the average) and the
 checkpoint's average and current weights. Under the sharding strategies each rank keeps only its part of the average
 (``strategies/weight_averaging.py``). ``StochasticWeightAveraging`` is refused where ranks hold pieces, naming
-``WeightAveraging``. ``BackboneFinetuning`` is refused by the engines that own the optimizer and trains like one process
-under colossal_ddp and colossal_fsdp.
+``WeightAveraging``. ``BackboneFinetuning`` trains like one process under colossal_ddp, colossal_fsdp and ZeRO (which
+rebuilds its engine when the backbone joins) and is refused by Gemini and hybrid parallelism.
 """
 
 from __future__ import annotations
@@ -261,11 +261,14 @@ def finetuning_body(spec: StrategySpec) -> str:
 def test_engines_refuse_callbacks_that_add_parameters_to_the_optimizer_mid_run(rank_pool_2, strategy_name):
     spec = {**STRATEGIES, **PIECES}[strategy_name]
     for message in rank_pool_2.run(finetuning_body, spec, timeout=120):
-        assert message.startswith("ValueError: BackboneFinetuning adds parameters to the optimizer"), message
-        assert "in its own param group with a lower learning rate" in message, message
+        assert message.startswith("ValueError: BackboneFinetuning reads the optimizer's param groups"), message
+        if strategy_name == "zero2":  # ZeRO takes the same unfreezing written by hand
+            assert "Unfreeze by hand instead" in message and "add_param_group" in message, message
+        else:
+            assert "in its own param group with a lower learning rate" in message, message
 
 
-def backbone_unfrozen_body(spec: StrategySpec, batch_size: int) -> dict[str, Any]:
+def backbone_unfrozen_body(spec: StrategySpec, batch_size: int, by_hand: str | None = None) -> dict[str, Any]:
     """BackboneFinetuning with plain SGD (a wrong gradient scale shows): the backbone is frozen when the strategy wraps
     the model and joins the optimizer in epoch 1. Returns the whole weights and the backbone's weights at unfreezing."""
     from lightning.pytorch.callbacks import BackboneFinetuning
@@ -276,15 +279,35 @@ def backbone_unfrozen_body(spec: StrategySpec, batch_size: int) -> dict[str, Any
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
+    class UnfreezeByHand(Callback):
+        """At epoch 1 the frozen backbone is made trainable: held by the optimizer from the start (``"requires_grad"``),
+        or added to it as a group, as ``BackboneFinetuning`` does (``"add_group"``)."""
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.current_epoch != 1:
+                return
+            pl_module.model.input.requires_grad_(True)
+            if by_hand == "add_group":
+                group = {"params": list(pl_module.model.input.parameters()), "lr": 0.05}
+                trainer.optimizers[0].add_param_group(group)
+
+    class SGDWithoutFrozen(SGDRegression):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05)
+
     new_module()  # the oracle's seed, so every world size starts from the same weights
-    module = SGDRegression(batch_size=batch_size)
+    module_class = SGDWithoutFrozen if by_hand == "add_group" else SGDRegression
+    module = module_class(batch_size=batch_size, frozen=("input",) if by_hand else ())
     module.backbone = module.model.input  # BackboneFinetuning freezes `backbone`, then adds it to the optimizer
     initial_backbone = {name: value.clone() for name, value in module.backbone.state_dict().items()}
+    unfreezing = (
+        UnfreezeByHand() if by_hand else BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05)
+    )
     trainer = quiet_trainer(
         strategy=_trainer_strategy(spec),
         devices=torch.distributed.get_world_size(),
         max_epochs=2,
-        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_lr=0.05)],
+        callbacks=[unfreezing],
     )
     trainer.fit(module)
     return {"weights": float_state(module), "initial_backbone": initial_backbone}
@@ -332,3 +355,34 @@ def test_averaging_under_model_parallelism_averages_each_ranks_pieces_like_one_p
         for name, value in result["weights"].items():  # a pipeline stage holds its own layers
             # AdamW turns the tensor-parallel sums' last-bit differences into ~1e-5 differences of the weights.
             torch.testing.assert_close(value, reference["weights"][name], rtol=1e-4, atol=2e-4, msg=f"{rank}: {name}")
+
+
+@pytest.mark.parametrize("by_hand", ["requires_grad", "add_group"])
+@pytest.mark.parametrize(
+    "spec", [ZERO1, ZERO2, ("zero", {"stage": 2, "cpu_offload": True})], ids=["zero1", "zero2", "zero2_offload"]
+)
+def test_a_backbone_unfrozen_by_hand_trains_like_one_process(rank_pools, spec, by_hand):
+    # "requires_grad": the optimizer was built over every parameter, the backbone frozen; `requires_grad_(True)` alone
+    # unfreezes it, as in plain torch (the engine had dropped it at takeover, so it never trained). "add_group": the
+    # backbone joins as a new param group. ZeRO rebuilds its engine over the optimizer (zero/engine.py [Note:
+    # parameters that join the optimizer]); with offload the masters are separate fp32 copies, which carry over.
+    reference = rank_pools.get(1).run(backbone_unfrozen_body, DDP, 8, by_hand, timeout=120)[0]
+    assert not torch.equal(reference["weights"]["model.input.weight"], reference["initial_backbone"]["weight"])
+    for result in rank_pools.get(2).run(backbone_unfrozen_body, spec, 4, by_hand, timeout=120):
+        for name, value in reference["weights"].items():
+            torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def group_added_body(spec: StrategySpec) -> str:
+    try:
+        backbone_unfrozen_body(spec, 4, "add_group")
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize("strategy_name", ["gemini", "hybrid_dp"])
+def test_a_group_added_by_hand_is_refused_where_the_engine_cannot_take_it(rank_pool_2, strategy_name):
+    for message in rank_pool_2.run(group_added_body, {**STRATEGIES, **PIECES}[strategy_name], timeout=120):
+        assert message.startswith("A param group was added to the optimizer during training"), message
+        assert "`colossal_zero1` / `colossal_zero2`" in message, message
