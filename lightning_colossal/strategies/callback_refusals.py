@@ -65,6 +65,5 @@ def refuse_finetuning_callbacks(callbacks: Iterable[Any], strategy_name: str, ta
             )
         raise ValueError(
             f"{type(callback).__name__} reads the optimizer's param groups as the module's parameters, but under"
-            f" {strategy_name} the engine took the optimizer over and its groups hold the engine's master copies."
-            + fix
+            f" {strategy_name} the engine took the optimizer over and its groups hold the engine's master copies." + fix
         )

@@ -42,13 +42,13 @@ from lightning_colossal.precision import plain_step
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.callback_refusals import refuse_finetuning_callbacks
 from lightning_colossal.strategies.engines_by_optimizer import EnginesByOptimizer, combined_norm, engine_of
+from lightning_colossal.strategies.joined_parameters import JoinedParametersMixin
 from lightning_colossal.strategies.optimizer_toggling import unwrap_toggling, wrap_toggling
-from lightning_colossal.strategies.optimizers import unwrap_optimizer
 
 EngineT = TypeVar("EngineT", bound=StepEngine)
 
 
-class EngineStrategy(ColossalStrategy, Generic[EngineT]):
+class EngineStrategy(JoinedParametersMixin, ColossalStrategy, Generic[EngineT]):
     """A strategy driving an engine that took over the optimizer (see the module docstring); not registered itself.
 
     Its constructor takes the arguments every strategy shares (``ColossalStrategy``) and forwards them.
@@ -64,10 +64,6 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
     manual_optimization_alternatives: ClassVar[str] = (
         "`colossal_zero1` / `colossal_zero2` (and their `_offload` variants), `colossal_ddp` or `colossal_fsdp`"
     )
-    #: Whether an engine whose optimizer gains parameters mid-run (a group added, a held frozen parameter made
-    #: trainable) is rebuilt to take them (zero/engine.py [Note: parameters that join the optimizer]); otherwise a
-    #: group added is refused.
-    takes_joining_parameters: ClassVar[bool] = False
     #: Releasing the engine is a collective (e.g. gathering whole parameters): skipped at the teardown of a failed
     #: run, whose other ranks may never reach it.
     release_is_collective: ClassVar[bool] = False
@@ -80,6 +76,7 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         #: ([Note: a fit's optimizer outlives the evaluation after it]).
         self._fitted_engines: list[EngineT] = []
         self._group_counts: list[int] = []
+        self._held_frozen: list[Tensor] = []
 
     @property
     def engine(self) -> EngineT | None:
@@ -110,11 +107,6 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         self._group_counts = self._optimizer_group_counts()
         self.setup_precision_plugin()
         self._wire_precision_plugin()
-
-    def _optimizer_group_counts(self) -> list[int]:
-        """How many param groups each engine's optimizer has: one added later is refused where engines cannot take
-        it (``_take_over_joined_parameters``)."""
-        return [len(unwrap_optimizer(optimizer).param_groups) for optimizer in self.optimizers]
 
     def _wire_precision_plugin(self) -> None:
         """The precision plugin clips and steps through the engines (precision.py [Note: clipping belongs to the
@@ -164,6 +156,7 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
                     trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
                 )
             ]
+        self._record_held_frozen(optimizers)
         built = [self._build_engine(trainer, optimizer) for optimizer in optimizers]
         engines = [engine for engine in built if engine is not None]
         self._fitted_engines = engines
@@ -223,41 +216,6 @@ class EngineStrategy(ColossalStrategy, Generic[EngineT]):
         super().teardown()
 
     # ---------------------------------------------------------------------------------------------- steps
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self._take_over_joined_parameters()
-
-    def _take_over_joined_parameters(self) -> None:
-        """Before a batch: an engine whose optimizer gained parameters (a backbone unfrozen by hand: a group added, or a
-        parameter it held frozen made trainable) is rebuilt over it, continuing from its masters and state (zero/engine.py [Note: parameters that
-        join the optimizer]); a mode that cannot rebuild refuses, naming the fix, rather than train them wrongly."""
-        rebuilt = False
-        for index, engine in enumerate(self.engines):
-            gained = getattr(engine, "optimizer_gained_parameters", None)
-            if gained is not None:
-                if not gained():
-                    continue
-                assert self.lightning_module is not None
-                masters = engine.give_back_optimizer()  # type: ignore[attr-defined]
-                replacement = self._build_engine(self.lightning_module.trainer, engine.optimizer)  # type: ignore[attr-defined]
-                assert replacement is not None
-                replacement.adopt_masters(masters)  # type: ignore[attr-defined]
-                self.engines[index] = replacement
-                self._fitted_engines = [replacement if each is engine else each for each in self._fitted_engines]
-                rebuilt = True
-        if rebuilt:
-            self._wire_precision_plugin()
-            self._group_counts = self._optimizer_group_counts()
-            return
-        if self._optimizer_group_counts() != self._group_counts:
-            raise ValueError(
-                f"A param group was added to the optimizer during training, but under {type(self).__name__} the engine"
-                " took over the optimizer's parameters at setup and cannot take more. Put the parameters in the"
-                " optimizer from the start, in their own param group (a frozen stage is a learning rate of 0 for that"
-                " group), or train with `colossal_zero1` / `colossal_zero2`, `colossal_ddp` or `colossal_fsdp`, which"
-                " take parameters that join later."
-            )
-
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         if not any(isinstance(engine, SkipsGradientSync) for engine in self.engines):

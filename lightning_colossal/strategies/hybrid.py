@@ -158,6 +158,7 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
             optimizer = self._setup_single_optimizer(
                 trainer, self.manual_optimization_refusal, self.manual_optimization_alternatives
             )
+            self._record_held_frozen([optimizer])
             engine.attach_optimizer(optimizer)  # replaces (and unhooks) an earlier fit's data parallelism
         return [engine]
 

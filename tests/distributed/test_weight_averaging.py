@@ -373,16 +373,21 @@ def test_a_backbone_unfrozen_by_hand_trains_like_one_process(rank_pools, spec, b
             torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def group_added_body(spec: StrategySpec) -> str:
+def group_added_body(spec: StrategySpec, by_hand: str) -> str:
     try:
-        backbone_unfrozen_body(spec, 4, "add_group")
+        backbone_unfrozen_body(spec, 4, by_hand)
     except ValueError as error:
         return str(error)
     return ""
 
 
+@pytest.mark.parametrize("by_hand", ["requires_grad", "add_group"])
 @pytest.mark.parametrize("strategy_name", ["gemini", "hybrid_dp"])
-def test_a_group_added_by_hand_is_refused_where_the_engine_cannot_take_it(rank_pool_2, strategy_name):
-    for message in rank_pool_2.run(group_added_body, {**STRATEGIES, **PIECES}[strategy_name], timeout=120):
-        assert message.startswith("A param group was added to the optimizer during training"), message
+def test_unfreezing_by_hand_is_refused_where_the_engine_cannot_take_it(rank_pool_2, strategy_name, by_hand):
+    expected = {
+        "requires_grad": "A parameter the optimizer held frozen was made trainable",
+        "add_group": "A param group was added to the optimizer during training",
+    }[by_hand]
+    for message in rank_pool_2.run(group_added_body, {**STRATEGIES, **PIECES}[strategy_name], by_hand, timeout=120):
+        assert message.startswith(expected), message
         assert "`colossal_zero1` / `colossal_zero2`" in message, message
