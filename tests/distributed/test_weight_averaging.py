@@ -136,11 +136,26 @@ def _assert_same(result: dict[str, Any], reference: dict[str, Any], label: str) 
         torch.testing.assert_close(result["weights"][name], value, rtol=1e-5, atol=1e-7, msg=f"{label}: {name}")
 
 
-@pytest.mark.parametrize("kind", ["ema", "swa"])
-@pytest.mark.parametrize("strategy_name", list(STRATEGIES))
-def test_averaging_trains_validates_and_ends_like_one_process(rank_pools, strategy_name, kind):
-    # The oracle: Lightning's own strategy and callback, one process on the global batch.
-    reference = rank_pools.get(1).run(averaging_body, ORACLE, kind, timeout=120)[0]
+@pytest.fixture(scope="module")
+def oracle(rank_pools, tmp_path_factory) -> dict[str, Any]:
+    """Lightning's own strategy and callback, one process on the global batch: a fit per averaging kind, and for EMA
+    a checkpoint saved mid-fit and the fit resumed from it (what every checkpoint row is compared with)."""
+    one = rank_pools.get(1)
+    path = str(tmp_path_factory.mktemp("oracle") / "reference.ckpt")
+    return {
+        "ema": one.run(averaging_body, ORACLE, "ema", path, timeout=120)[0],
+        "swa": one.run(averaging_body, ORACLE, "swa", timeout=120)[0],
+        "checkpoint": path,
+        "resumed": one.run(resume_body, ORACLE, "ema", path, timeout=120)[0],
+    }
+
+
+# EMA under every strategy; the SWA average (another arithmetic through the same code) under a row and a shard mode.
+@pytest.mark.parametrize(
+    ("strategy_name", "kind"), [(name, "ema") for name in STRATEGIES] + [("zero2", "swa"), ("gemini", "swa")]
+)
+def test_averaging_trains_validates_and_ends_like_one_process(rank_pools, oracle, strategy_name, kind):
+    reference = oracle[kind]
     total = sum(value.numel() for value in reference["weights"].values())
     results = rank_pools.get(2).run(averaging_body, STRATEGIES[strategy_name], kind, timeout=120)
     for rank, result in enumerate(results):
@@ -150,9 +165,9 @@ def test_averaging_trains_validates_and_ends_like_one_process(rank_pools, strate
             assert result["average_numel"] <= 0.6 * total, (result["average_numel"], total)
 
 
-def test_the_oracle_validates_and_ends_on_the_average(rank_pools):
+def test_the_oracle_validates_and_ends_on_the_average(rank_pools, oracle):
     # Guards the comparison above: with the callback, validation and the weights after fit are not the trained ones.
-    with_average = rank_pools.get(1).run(averaging_body, ORACLE, "ema", timeout=120)[0]
+    with_average = oracle["ema"]
     without = rank_pools.get(1).run(plain_body, timeout=120)[0]
     assert len(without["validation"]) == len(with_average["validation"]) == 2
     assert without["validation"][1] != with_average["validation"][1]
@@ -179,14 +194,14 @@ def plain_body() -> dict[str, Any]:
     ],
 )
 def test_checkpoint_keeps_the_average_across_strategies_and_world_sizes(
-    rank_pools, tmp_path, saved_by, saved_ranks, resumed_by, resumed_ranks
+    rank_pools, oracle, tmp_path, saved_by, saved_ranks, resumed_by, resumed_ranks
 ):
     # Both directions between these strategies' format and Lightning's own single file.
     specs = {**STRATEGIES, "lightning_ddp": ORACLE}
-    reference_path, path = str(tmp_path / "reference.ckpt"), str(tmp_path / "saved.ckpt")
-    rank_pools.get(1).run(averaging_body, ORACLE, "ema", reference_path, timeout=120)
-    reference = rank_pools.get(1).run(resume_body, ORACLE, "ema", reference_path, timeout=120)[0]
-    rank_pools.get(saved_ranks).run(averaging_body, specs[saved_by], "ema", path, timeout=120)
+    reference_path, reference = oracle["checkpoint"], oracle["resumed"]
+    path = reference_path if saved_by == "lightning_ddp" else str(tmp_path / "saved.ckpt")
+    if path != reference_path:
+        rank_pools.get(saved_ranks).run(averaging_body, specs[saved_by], "ema", path, timeout=120)
     # The file is a Lightning checkpoint: `state_dict` the average, `current_model_state` the weights trained.
     saved, expected = (torch.load(file, weights_only=False) for file in (path, reference_path))
     for key in ("state_dict", "current_model_state"):

@@ -11,6 +11,7 @@ on these models) is a wait per parameter tensor per step on a GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,11 +111,17 @@ MODES = {
 }
 
 
+@functools.cache
+def counted(mode: str, blocks: int) -> StepWork:
+    """``MODES[mode](blocks)``, run once per session: the counts are deterministic, and several tests read them."""
+    return MODES[mode](blocks)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_backward_writes_no_number_into_device_memory(mode):
     """Which parameters got a gradient is recorded on the host, and Gemini's gather rounds build their vote there:
     written into a device tensor, each number was a blocking copy (per parameter, and per round)."""
-    small, large = MODES[mode](2), MODES[mode](4)
+    small, large = counted(mode, 2), counted(mode, 4)
     assert large.parameters > small.parameters
     assert (small.backward.scalar_writes, large.backward.scalar_writes) == (0, 0), (small.backward, large.backward)
 
@@ -132,7 +139,7 @@ DRAIN_WAITS = {"gemini_offload": 1, "gemini_offload_one_rank": 1}
      for mode in MODES],
 )  # fmt: skip
 def test_the_waits_of_a_backward_do_not_grow_with_the_number_of_parameters(mode):
-    small, large = MODES[mode](2), MODES[mode](4)
+    small, large = counted(mode, 2), counted(mode, 4)
     assert large.backward.waits == small.backward.waits, (small.backward, large.backward)
     # The vote over which parameters got a gradient (host flags to the device and back), and Gemini's closing round.
     assert large.backward.waits <= 4 + DRAIN_WAITS.get(mode, 0), large.backward
@@ -148,7 +155,7 @@ def test_votes_on_the_host_leave_a_backward_no_wait_but_offloads_one(mode):
     beside the devices' groups (collectives.py [Note: votes on the host]), so at 8 ranks a backward waits for nothing
     but, offloaded, the gradients' copies to the host. Each vote cost 2 waits (the flags to the device and back):
     ZeRO 2, Gemini 4."""
-    work = MODES[mode](4)
+    work = counted(mode, 4)
     assert work.backward.waits == BACKWARD_WAITS[mode], work.backward
 
 
@@ -162,7 +169,7 @@ def test_one_rank_backward_launches_one_kernel_per_gradient(mode):  # offloaded:
     # parameter (one wait for all), which one copy of the whole accumulator could replace (not done yet).
     per_parameter = 2 if "offload" in mode else 1
     for blocks in (2, 4):
-        work = MODES[mode](blocks)
+        work = counted(mode, blocks)
         chunks_or_buckets = 8  # the foreach folds and end-of-backward work, a few per step whatever the model
         assert work.backward.kernels <= per_parameter * work.parameters + chunks_or_buckets, (blocks, work.backward)
 
