@@ -180,6 +180,8 @@ class ZeroEngine(EngineDiskTier):
         # per backend].
         self.use_scatter_gather = collectives.use_scatter_gather(config.communication, self.process_group)
         self.reducer = self._build_reducer()
+        #: Whether the host gradient buffer is laid out as ZeRO-2's accumulator, member by member (one copy moves both).
+        self._master_gradients_mirror_accumulator = self._mirrors_accumulator()
         self.exchange = ParameterExchange(self.reducer, self.process_group, self.use_scatter_gather)
         #: Whether this step's ``step_optimizer`` already exchanged the rows ([Note: exchange overlapped with the step]).
         self._exchanged_in_step = False
@@ -257,6 +259,19 @@ class ZeroEngine(EngineDiskTier):
             for parameter in group["params"]
             if id(parameter) in self.kept_whole and parameter.requires_grad
         }
+
+    def _mirrors_accumulator(self) -> bool:
+        if self.master_gradient_buffer is None or not isinstance(self.reducer, Stage2Reducer):
+            return False
+        offset = 0
+        for member in self.members:
+            if member.accumulator_offset != offset:
+                return False
+            offset += member.spec.local_numel
+        accumulator = self.reducer.accumulator
+        return accumulator.numel() == self.master_gradient_buffer.numel() == offset and accumulator.dtype == (
+            self.master_gradient_buffer.dtype
+        )
 
     def _build_reducer(self) -> GradientReducer:
         """The reducer of the configured stage (the one place the stage is looked at)."""
@@ -339,6 +354,11 @@ class ZeroEngine(EngineDiskTier):
         received = self.reducer.received.on_any_rank(self.vote_group)
         offset = 0
         copies: list[tuple[Tensor, Tensor]] = []
+        # Offloaded ZeRO-2: the accumulator and the host gradient buffer share one layout, so one copy moves every
+        # member's rows (one kernel, not one per parameter); rows no rank produced are zeros there and get no `.grad`.
+        whole = self._master_gradients_mirror_accumulator
+        if whole and any(received):
+            copies.append((self.master_gradient_buffer, self.reducer.accumulator))  # type: ignore[arg-type,attr-defined]
         for member, master, member_received in zip(self.members, self.masters, received, strict=True):
             if not member_received:
                 master.grad = None
@@ -350,7 +370,8 @@ class ZeroEngine(EngineDiskTier):
             else:
                 numel = member.spec.local_numel
                 target = self.master_gradient_buffer[offset : offset + numel].view(member.spec.local_shape)
-                copies.append((target, gradient))
+                if not whole:
+                    copies.append((target, gradient))
                 master.grad = target
                 offset += numel
         devices.copy_all(copies)  # waited for: the optimizer reads them on the host

@@ -160,14 +160,14 @@ def test_votes_on_the_host_leave_a_backward_no_wait_but_offloads_one(mode):
 
 
 @pytest.mark.parametrize("mode", ["zero2_one_rank", "zero2_offload_one_rank", "gemini_one_rank"])
-def test_one_rank_backward_launches_one_kernel_per_gradient(mode):  # offloaded: and one copy
+def test_one_rank_backward_launches_one_kernel_per_gradient(mode):
     """At one rank nothing is exchanged, so a backward's device work is each gradient added where the step reads it:
     one kernel per parameter, as torch DDP's copy into its bucket (stages.py [Note: ZeRO-2 on one rank]; Gemini adds
     into the chunk's gradient, then folds a chunk with one foreach call). It was three per parameter for ZeRO-2
     (a memset per bucket, a staging copy and an add) and two for Gemini."""
-    # Offloaded, each reduced gradient is also copied to its host master's gradient: one asynchronous copy per
-    # parameter (one wait for all), which one copy of the whole accumulator could replace (not done yet).
-    per_parameter = 2 if "offload" in mode else 1
+    # Offloaded, the reduced rows also go to the host gradients: one copy of the whole accumulator (engine.py), not
+    # one per parameter as before.
+    per_parameter = 1
     for blocks in (2, 4):
         work = counted(mode, blocks)
         chunks_or_buckets = 8  # the foreach folds and end-of-backward work, a few per step whatever the model
