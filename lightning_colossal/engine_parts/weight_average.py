@@ -120,8 +120,10 @@ class ShardedWeightAverage:
                 else:
                     _swa_update(group_averages, group_currents, self.n_averaged)
         else:
+            counts: dict[torch.device, Tensor] = {}  # one copy of the count per device, not one per tensor
             for average, current in zip(averages, currents, strict=True):
-                average.copy_(self.avg_fn(average, current, self.n_averaged.to(average.device)))
+                count = counts.setdefault(average.device, self.n_averaged.to(average.device))
+                average.copy_(self.avg_fn(average, current, count))
         copied, sources = self._pairs(self._copied_names, live)
         for target, source in zip(copied, sources, strict=True):
             target.copy_(source)

@@ -111,7 +111,7 @@ class ChunkManager:
         #: Reduced gradients of offloaded chunks on their way to the host, folded in after one wait at the end of
         #: backward ([Note: reduced gradients drained to the host once]), and the pinned buffers they land in.
         self._drains: list[_Drain] = []
-        self._drain_buffers: dict[int, list[Tensor]] = {}
+        self._drain_buffers: dict[tuple[int, torch.dtype], list[Tensor]] = {}
         # Gathered chunks and full gradients held at once: the working set on top of the shards (16Ψ/N).
         self.working_set_bytes = 0
         self.peak_working_set_bytes = 0
@@ -470,7 +470,7 @@ class ChunkManager:
         device]). The buffers cost the reduced rows of each offloaded chunk in host memory, the size of its shard
         gradient. Where the compute device is the host itself nothing is copied (no drain starts).
         """
-        kept = self._drain_buffers.get(result.numel())
+        kept = self._drain_buffers.get((result.numel(), result.dtype))
         host = kept.pop() if kept else devices.host_buffer(result.numel(), result.dtype, beside=result.device)
         devices.start_copy_to_host(host, result.reshape(-1))
         self._drains.append(_Drain(chunk, host.view(result.shape), rank_major, result.device))
@@ -485,7 +485,7 @@ class ChunkManager:
         for drain in drains:
             self._fold(drain.chunk, drain.host, drain.rank_major)
             flat = drain.host.reshape(-1)
-            self._drain_buffers.setdefault(flat.numel(), []).append(flat)
+            self._drain_buffers.setdefault((flat.numel(), flat.dtype), []).append(flat)
 
     def attach_master_gradients(self, has_gradient: Callable[[nn.Parameter], bool] = lambda parameter: True) -> None:
         """Point each master's ``.grad`` at its reduced rows; ``None`` where ``has_gradient(parameter)`` is false."""

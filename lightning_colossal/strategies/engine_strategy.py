@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import lightning.pytorch as pl
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -41,7 +42,7 @@ from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGra
 from lightning_colossal.precision import plain_step
 from lightning_colossal.strategies.base import ColossalStrategy
 from lightning_colossal.strategies.callback_refusals import refuse_finetuning_callbacks
-from lightning_colossal.strategies.engines_by_optimizer import EnginesByOptimizer, combined_norm, engine_of
+from lightning_colossal.strategies.engines_by_optimizer import EnginesByOptimizer, engine_of
 from lightning_colossal.strategies.joined_parameters import JoinedParametersMixin
 from lightning_colossal.strategies.optimizer_toggling import unwrap_toggling, wrap_toggling
 
@@ -252,7 +253,8 @@ class EngineStrategy(JoinedParametersMixin, ColossalStrategy, Generic[EngineT]):
             raise ValueError(f"norm_type={norm_type} is not a norm: pass 2.0, another p >= 1, or float('inf').")
         self._gradient_norm_asked = True  # the hook logs the norm the way that works here: no warning
         norms = [engine.gradient_norm(engine.optimizer, norm_type) for engine in self.engines]  # type: ignore[attr-defined]
-        return combined_norm(norms, norm_type)
+        # The norm of the norms, as gradient_norms() totals its per-parameter ones.
+        return torch.stack([norm.float() for norm in norms]).norm(norm_type)
 
     def _gradient_pieces(self) -> tuple[dict[str, Any], Any]:
         """From the engines' masters: this rank's rows of each gradient (a replicated one counted on rank 0 only),

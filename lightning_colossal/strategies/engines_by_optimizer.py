@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -44,14 +43,6 @@ def engine_of(optimizer: Optimizer, engines: Sequence[EngineT]) -> EngineT:
         f"{type(user_optimizer).__name__} is none of the {len(engines)} optimizers this run's engines took over: step,"
         " clip and save only the optimizers `configure_optimizers` returned, as `self.optimizers()` hands them out."
     )
-
-
-def combined_norm(norms: Sequence[Tensor], norm_type: float) -> Tensor:
-    """The ``norm_type`` norm of the concatenation of vectors whose norms are ``norms`` (each a 0-d tensor)."""
-    stacked = torch.stack([norm.float() for norm in norms])
-    if norm_type == float("inf"):
-        return stacked.max()
-    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
 class EnginesByOptimizer:

@@ -34,8 +34,11 @@ class JoinedParametersMixin:
     _held_frozen: list[Tensor]
 
     def _record_held_frozen(self, optimizers: Sequence[Optimizer]) -> None:
-        """Note the parameters ``optimizers`` hold frozen, before an engine takes them over (and drops them): one made
-        trainable later is taken by a rebuild, or refused (``_take_over_joined_parameters``)."""
+        """Note the parameters ``optimizers`` hold frozen, before an engine takes them over (and drops them), where
+        one made trainable later is refused (``_take_over_joined_parameters``); an engine that rebuilds keeps its own
+        list (``ZeroEngine.optimizer_gained_parameters``)."""
+        if self.takes_joining_parameters:
+            return
         self._held_frozen = [
             parameter
             for optimizer in optimizers
@@ -61,22 +64,21 @@ class JoinedParametersMixin:
         rebuilt = False
         for index, engine in enumerate(self.engines):
             gained = getattr(engine, "optimizer_gained_parameters", None)
-            if gained is not None:
-                if not gained():
-                    continue
-                assert self.lightning_module is not None
-                masters = engine.give_back_optimizer()  # type: ignore[attr-defined]
-                replacement = self._build_engine(self.lightning_module.trainer, engine.optimizer)  # type: ignore[attr-defined]
-                assert replacement is not None
-                replacement.adopt_masters(masters)  # type: ignore[attr-defined]
-                self.engines[index] = replacement
-                self._fitted_engines = [replacement if each is engine else each for each in self._fitted_engines]
-                rebuilt = True
+            if gained is None or not gained():
+                continue
+            assert self.lightning_module is not None
+            masters = engine.give_back_optimizer()
+            replacement = self._build_engine(self.lightning_module.trainer, engine.optimizer)
+            assert replacement is not None
+            replacement.adopt_masters(masters)
+            self.engines[index] = replacement
+            self._fitted_engines = [replacement if each is engine else each for each in self._fitted_engines]
+            rebuilt = True
         if rebuilt:
             self._wire_precision_plugin()
             self._group_counts = self._optimizer_group_counts()
             return
-        if not self.takes_joining_parameters and any(parameter.requires_grad for parameter in self._held_frozen):
+        if any(parameter.requires_grad for parameter in self._held_frozen):
             raise ValueError(
                 f"A parameter the optimizer held frozen was made trainable during training, but under"
                 f" {type(self).__name__} the engine laid out the trainable parameters at setup and would not train it."

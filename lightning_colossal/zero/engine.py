@@ -642,11 +642,11 @@ class ZeroEngine(EngineDiskTier):
         The engine lays out masters, buckets and hooks for the parameters it takes over, once. A parameter that joins
         later (a backbone unfrozen at some epoch) would otherwise train on each rank's own gradient, or, held frozen
         when the optimizer was taken over, never train at all. So between steps the strategy asks this, and when it
-        is true hands the optimizer back (at once when a group is added: ``add_param_group`` is watched, since
-        whoever adds a group may read the groups' parameters next, as ``BaseFinetuning`` does by name) (``give_back_optimizer``: the user's groups of parameters and the state keyed
+        is true hands the optimizer back (``give_back_optimizer``: the user's groups of parameters and the state keyed
         by them) and builds a new engine over it, which continues from this one's masters (``adopt_masters``): the
         optimizer state and the fp32 masters carry over exactly, as a checkpoint would carry them, and the new
-        parameters get their masters and hooks. It costs one rebuild (a broadcast of the weights) when it happens,
+        parameters get their masters and hooks. A group added gives the optimizer back at once (``add_param_group``
+        is watched): whoever adds it may read the groups' parameters next, as ``BaseFinetuning`` does by name. It costs one rebuild (a broadcast of the weights) when it happens,
         and nothing per step but this check.
         """
         if self._given_back is not None or len(self.optimizer.param_groups) > len(self._user_groups):
@@ -673,11 +673,11 @@ class ZeroEngine(EngineDiskTier):
                 " tier off (disk_fraction=0)."
             )
         self.remove()
-        parameter_of = {id(master): member.parameter for member, master in zip(self.members, self.masters, strict=True)}
-        optimizer_takeover.give_back(self.optimizer, self._user_groups, parameter_of)
-        self._given_back = {
-            id(member.parameter): master for member, master in zip(self.members, self.masters, strict=True)
-        }
+        pairs = list(zip(self.members, self.masters, strict=True))
+        optimizer_takeover.give_back(
+            self.optimizer, self._user_groups, {id(master): member.parameter for member, master in pairs}
+        )
+        self._given_back = {id(member.parameter): master for member, master in pairs}
         return self._given_back
 
     def adopt_masters(self, masters: Mapping[int, Tensor]) -> None:
