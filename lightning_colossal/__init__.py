@@ -44,6 +44,10 @@ def register_strategies() -> None:
     """Register every lightning_colossal strategy name; safe to call any number of times."""
     for strategy_class in ALL_STRATEGIES:
         strategy_class.register_strategies(StrategyRegistry)
+    # The same names for Lightning Fabric (fabric/__init__.py).
+    from lightning_colossal.fabric import register_fabric_strategies
+
+    register_fabric_strategies()
 
 
 def strategy_names() -> list[str]:

@@ -278,12 +278,17 @@ class ColossalPrecision(Precision):
 
     # ------------------------------------------------------------------------------------------ loss scaling
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        return super().pre_backward(self.scale_loss(tensor), module)
+
+    def scale_loss(self, tensor: Tensor) -> Tensor:
+        """The loss to back-propagate: multiplied by the loss scale under ``16-mixed``; otherwise unchanged, its
+        finiteness noted (on the device, read at the step's vote) for [Note: non-finite values without a loss
+        scaler]."""
         if self.loss_scaler is not None:
-            tensor = tensor * self.loss_scaler.scale
-        else:
-            bad = torch.isfinite(tensor.detach()).all().logical_not()
-            self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss.logical_or(bad)
-        return super().pre_backward(tensor, module)
+            return tensor * self.loss_scaler.scale
+        bad = torch.isfinite(tensor.detach()).all().logical_not()
+        self._nonfinite_loss = bad if self._nonfinite_loss is None else self._nonfinite_loss.logical_or(bad)
+        return tensor
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -429,7 +434,7 @@ def to_colossal_precision(plugin: Precision | None, loss_scaler: LossScalerConfi
     if isinstance(plugin, ColossalPrecision):
         return plugin
     if isinstance(plugin, MixedPrecision):
-        if plugin.precision == "16-mixed" and plugin.scaler is not None and not _is_default_grad_scaler(plugin.scaler):
+        if plugin.precision == "16-mixed" and plugin.scaler is not None and not is_default_grad_scaler(plugin.scaler):
             raise TypeError(
                 "A custom torch GradScaler was passed through MixedPrecision; lightning_colossal uses its own loss"
                 " scaler. Pass its settings as `ColossalPrecision('16-mixed', loss_scaler=LossScalerConfig(...))` in"
@@ -449,7 +454,7 @@ def to_colossal_precision(plugin: Precision | None, loss_scaler: LossScalerConfi
     )
 
 
-def _is_default_grad_scaler(scaler: Any) -> bool:
+def is_default_grad_scaler(scaler: Any) -> bool:
     # Lightning builds a default GradScaler for "16-mixed"; that one carries no user intent and is safe to replace.
     defaults = {"_init_scale": 2.0**16, "_growth_factor": 2.0, "_backoff_factor": 0.5, "_growth_interval": 2000}
     return isinstance(scaler, torch.amp.GradScaler) and all(

@@ -5,7 +5,10 @@ Two things make up the format, and this module is the only one that spells their
 The checkpoint file's ``FORMAT_KEY`` entry, a small dict describing the save (``CheckpointDescription``):
 ``format_version``, ``strategy`` (the class name), ``world_size``, ``num_optimizers``, ``parallel_dims`` (axis sizes),
 ``huggingface`` (where a Hugging Face model sits and its configuration, if the module held one), ``torch_version``
-(of the writer) and ``shards`` (the id of its shards directory; format 2 only). Format 1 wrote the same entry, less
+(of the writer), ``shards`` (the id of its shards directory; format 2 only) and ``fabric`` (a save through Lightning
+Fabric: the user's keys of its module and optimizers, ``FabricObjects``; the file then holds the full weights under
+the module's key as well as under ``state_dict``, one object named twice, so tools that read ``checkpoint["model"]``
+find them). Format 1 wrote the same entry, less
 ``shards`` and ``torch_version``, into ``meta.pt``. Readers take what is there: a field an older writer did not record
 reads as unknown (``None``; ``num_optimizers`` as 0, as it always has), and a field a newer writer added is ignored.
 
@@ -72,6 +75,23 @@ def model_name(item: str) -> str | None:
 
 # ------------------------------------------------------------------------------------------ the checkpoint file's entry
 @dataclass(frozen=True)
+class FabricObjects:
+    """Which keys of a ``fabric.save(path, state)`` held the module and the optimizers (in the saved order)."""
+
+    module: str
+    optimizers: tuple[str, ...] = ()
+
+    def to_entry(self) -> dict[str, Any]:
+        return {"module": self.module, "optimizers": list(self.optimizers)}
+
+    @classmethod
+    def from_entry(cls, entry: Any) -> FabricObjects | None:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("module"), str):
+            return None
+        return cls(module=entry["module"], optimizers=tuple(str(key) for key in entry.get("optimizers") or ()))
+
+
+@dataclass(frozen=True)
 class CheckpointDescription:
     """The file's ``FORMAT_KEY`` entry: who wrote the checkpoint, how, and where its shards are.
 
@@ -87,6 +107,11 @@ class CheckpointDescription:
     huggingface: dict[str, Any] | None = None
     torch_version: str | None = None
     shards: str | None = None
+    fabric: FabricObjects | None = None
+
+    def weights_keys(self) -> tuple[str, ...]:
+        """The file's keys that hold the full weights: Lightning's ``state_dict``, and a Fabric save's module key."""
+        return ("state_dict",) if self.fabric is None else ("state_dict", self.fabric.module)
 
     def committed(self, shards: str) -> CheckpointDescription:
         """This description as a save commits it: the current format, the shards directory ``shards``, and the torch
@@ -123,6 +148,7 @@ class CheckpointDescription:
                 ("huggingface", self.huggingface),
                 ("torch_version", self.torch_version),
                 ("shards", self.shards),
+                ("fabric", None if self.fabric is None else self.fabric.to_entry()),
             )
             if value is not None
         }
@@ -145,6 +171,7 @@ class CheckpointDescription:
             huggingface=entry.get("huggingface"),
             torch_version=entry.get("torch_version"),
             shards=None if shards is None else str(shards),
+            fabric=FabricObjects.from_entry(entry.get("fabric")),
         )
 
     def add_to(self, contents: dict[str, Any]) -> None:

@@ -106,7 +106,9 @@ def save_sharded(
             os.replace(staging, shards)
             contents = dict(metadata)
             described = description or CheckpointDescription.from_contents(metadata) or CheckpointDescription()
-            contents["state_dict"] = TrainingTensors.from_state(read_sharded(shards, keys={MODEL_KEY})).model
+            weights = TrainingTensors.from_state(read_sharded(shards, keys={MODEL_KEY})).model
+            for key in described.weights_keys():
+                contents[key] = weights  # one object under each key: written once
             if CURRENT_MODEL_KEY in tensor_state:
                 # A weight-averaging run: the file is a Lightning checkpoint another strategy (or Lightning) resumes.
                 current = TrainingTensors.from_state(read_sharded(shards, keys={CURRENT_MODEL_KEY})).current_model
@@ -263,7 +265,8 @@ def load_metadata(files: CheckpointFiles, weights_only: bool | None = None) -> d
     if files.kind is CheckpointKind.SHARDED_DIRECTORY:
         return read_checkpoint_file(files.path / META_FILENAME, weights_only)
     contents = read_checkpoint_file(files.path, weights_only)
-    contents.pop("state_dict", None)
+    for key in (CheckpointDescription.from_contents(contents) or CheckpointDescription()).weights_keys():
+        contents.pop(key, None)
     contents.pop(CURRENT_MODEL_STATE, None)  # whole weights too; the shards hold this rank's part
     return contents
 

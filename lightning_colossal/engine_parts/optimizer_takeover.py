@@ -75,8 +75,10 @@ def held_parameters(optimizer: Optimizer, module: nn.Module) -> set[int]:
     strangers = len(held - {id(parameter) for parameter in module.parameters()})
     if strangers:
         raise ValueError(
-            f"The optimizer holds {strangers} tensor(s) that are not parameters of the model: build it in"
-            " `configure_optimizers` from `self.parameters()` (or named subsets of them)."
+            f"The optimizer holds {strangers} tensor(s) that are not parameters of the model: build it over the"
+            " parameters of the model being set up (in a LightningModule's `configure_optimizers`, from"
+            " `self.parameters()` or named subsets of them; in a Fabric loop, from `model.parameters()` of the model"
+            " passed to `fabric.setup`)."
         )
     if optimizer.state:
         raise ValueError(

@@ -17,6 +17,20 @@ from __future__ import annotations
 # `_child_processes` and `_terminate_all` are used; both exist with these names in 2.5.0 and 2.6.6.
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
+# Fabric's own launchers, for the Fabric strategies (fabric/strategy.py): popen for scripts, torchrun and SLURM, and
+# the multiprocessing one (spawn, fork for notebooks). Fabric has no public way to reuse them; constructed with
+# (cluster environment, processes per node, nodes) and (strategy, start method) in 2.5.0 and 2.6.6.
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _FabricMultiProcessingLauncher,
+)
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+)
+
+# What `fabric.no_backward_sync(model)` asks of a strategy: its `_backward_sync_control`, an instance of this class
+# with `no_backward_sync(module, enabled)` (2.5.0 and 2.6.6). Without one Fabric only warns and syncs anyway.
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
 # Loads a checkpoint file the way Trainer(ckpt_path=...) does (local path or fsspec URL, weights_only handling):
 # a single-file full checkpoint handed to a sharded strategy goes through the same reader.
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
@@ -49,7 +63,10 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 
 __all__ = [
+    "_BackwardSyncControl",
     "_ChildProcessObserver",
+    "_FabricMultiProcessingLauncher",
+    "_FabricSubprocessScriptLauncher",
     "_ForwardRedirection",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",

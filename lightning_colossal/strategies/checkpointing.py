@@ -45,6 +45,7 @@ from lightning_colossal.checkpoint import async_save
 from lightning_colossal.checkpoint.format import (
     CURRENT_MODEL_STATE,
     CheckpointDescription,
+    FabricObjects,
     SavedItems,
     TrainingTensors,
 )
@@ -145,6 +146,15 @@ class CheckpointingMixin(ProcessGroupMixin):
                 f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: lightning_colossal writes"
                 " its own sharded format. Drop storage_options."
             )
+        self.save_portable_checkpoint(checkpoint, filepath)
+
+    def save_portable_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, fabric_objects: FabricObjects | None = None
+    ) -> None:
+        """Write ``checkpoint`` (Lightning's dict: ``state_dict``, ``optimizer_states`` and the rest) in the portable
+        format; every rank calls it. The Trainer's ``save_checkpoint`` and the Fabric strategies both come here;
+        ``fabric_objects`` names the user's keys of a Fabric save (the file then holds the full weights under the
+        module's key too)."""
         async_save.wait_for_background_save()  # one save at a time; a failed one raises here, naming its path
         path = Path(self.broadcast(str(filepath)))
         # With a weight-averaging callback `state_dict` is the average and the weights being trained come apart
@@ -165,6 +175,7 @@ class CheckpointingMixin(ProcessGroupMixin):
             huggingface=(
                 describe_huggingface_model(self.lightning_module) if self.lightning_module is not None else None
             ),
+            fabric=fabric_objects,
         )
         if self.saves_in_background():
             async_save.save_in_background(
@@ -232,25 +243,52 @@ class CheckpointingMixin(ProcessGroupMixin):
             async_save.remove_after_background_save(lambda: remove_checkpoint(filepath))
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        async_save.wait_for_background_save()  # the path may be the one being written
-        path = Path(self.broadcast(str(checkpoint_path)))
         assert self.lightning_module is not None
         trainer = self.lightning_module._trainer
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        strict = self.lightning_module.strict_loading
+        return self.load_portable_checkpoint(
+            checkpoint_path,
+            weights_only,
+            optimizers=self.optimizers if fitting else [],
+            strict=self.lightning_module.strict_loading,
+            average=active_average(trainer.callbacks) if fitting and trainer is not None else None,
+            resuming=fitting,
+        )
+
+    def load_portable_checkpoint(
+        self,
+        checkpoint_path: str | Path,
+        weights_only: bool | None,
+        optimizers: list[Optimizer],
+        strict: bool,
+        average: Any = None,
+        resuming: bool = False,
+    ) -> dict[str, Any]:
+        """Fill the set-up model (and ``optimizers``, in the checkpoint's order) from any checkpoint this package
+        reads, in place; returns the checkpoint's other entries. The Trainer's ``load_checkpoint`` and the Fabric
+        strategies (``fabric/checkpoints.py``) both come here.
+
+        Args:
+            optimizers: the optimizers to restore, as many as the checkpoint holds; none to load the weights only.
+            strict: refuse a checkpoint whose model names differ from this model's.
+            average: the active weight-averaging callback's average, when one trains the run.
+            resuming: training goes on from this checkpoint (a file without its shards is refused then).
+        """
+        async_save.wait_for_background_save()  # the path may be the one being written
+        path = Path(self.broadcast(str(checkpoint_path)))
         files = locate_checkpoint(path)
         if files.kind is CheckpointKind.FULL:
-            return self._load_full_checkpoint(path, weights_only, fitting, strict)
+            return self._load_full_checkpoint(path, weights_only, optimizers, strict)
         if not files.has_shards:
-            return self._load_checkpoint_file_without_shards(files, weights_only, fitting, strict)
-        return self._load_sharded_checkpoint(files, weights_only, fitting, strict)
+            return self._load_checkpoint_file_without_shards(files, weights_only, resuming, strict)
+        return self._load_sharded_checkpoint(files, weights_only, optimizers, strict, average, resuming)
 
     # ---------------------------------------------------------------------------------------------- loading
     def _load_checkpoint_file_without_shards(
-        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
+        self, files: CheckpointFiles, weights_only: bool | None, resuming: bool, strict: bool
     ) -> dict[str, Any]:
         """A checkpoint file copied without its shards: its full weights serve validate/test/predict, not resuming."""
-        if fitting:
+        if resuming:
             raise FileNotFoundError(
                 f"{files.path} holds the full weights, but its sharded training state (optimizer, random state) is"
                 f" missing: expected at {files.shards}. Copy that directory next to the file to resume, or start a new"
@@ -263,10 +301,14 @@ class CheckpointingMixin(ProcessGroupMixin):
         return metadata
 
     def _load_sharded_checkpoint(
-        self, files: CheckpointFiles, weights_only: bool | None, fitting: bool, strict: bool
+        self,
+        files: CheckpointFiles,
+        weights_only: bool | None,
+        optimizers: list[Optimizer],
+        strict: bool,
+        average: Any,
+        resuming: bool,
     ) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        trainer = self.lightning_module._trainer
         path, shards = files.path, files.shards
         assert shards is not None
         saved = SavedItems(saved_shapes(shards))
@@ -275,7 +317,6 @@ class CheckpointingMixin(ProcessGroupMixin):
         _check_model_shapes(path, model_state, saved)
         metadata = load_metadata(files, weights_only)
         description = CheckpointDescription.from_contents(metadata) or CheckpointDescription()
-        average = active_average(trainer.callbacks) if fitting and trainer is not None else None
         if average is not None and saved.holds_current_model():
             # The checkpoint's `model` items are the average, `current_model` the weights being trained.
             destinations = TrainingTensors(model=average.state_for_checkpoint(), current_model=model_state)
@@ -283,7 +324,6 @@ class CheckpointingMixin(ProcessGroupMixin):
             # Without an averaging callback now, a checkpoint with an average resumes from the average, as Lightning
             # loads its `state_dict`.
             destinations = TrainingTensors(model=model_state)
-        optimizers = self.optimizers if fitting else []
         if optimizers:
             _check_optimizer_count(path, description.num_optimizers, len(optimizers))
             for optimizer in optimizers:
@@ -310,7 +350,7 @@ class CheckpointingMixin(ProcessGroupMixin):
             self._load_optimizer_state(optimizer, state)
         if restores_rng:
             _set_rng_states(loaded.rng_by_rank[own_rank])
-        elif fitting:
+        elif resuming:
             rank_zero_warn(
                 f"{path} was saved at world size {description.world_size} and holds no random"
                 " state for some ranks of this run: those ranks continue from their seeded random state."
@@ -318,7 +358,7 @@ class CheckpointingMixin(ProcessGroupMixin):
         return metadata
 
     def _load_full_checkpoint(
-        self, path: Path, weights_only: bool | None, fitting: bool, strict: bool
+        self, path: Path, weights_only: bool | None, optimizers: list[Optimizer], strict: bool
     ) -> dict[str, Any]:
         checkpoint = lightning_load(path, map_location="cpu", weights_only=weights_only)
         if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
@@ -329,7 +369,6 @@ class CheckpointingMixin(ProcessGroupMixin):
             )
         self._load_full_model_state(checkpoint.pop("state_dict"), strict)
         optimizer_states = checkpoint.pop("optimizer_states", None)
-        optimizers = self.optimizers if fitting else []
         if optimizers:
             _check_optimizer_count(path, len(optimizer_states or []), len(optimizers))
             for optimizer, saved in zip(optimizers, optimizer_states or [], strict=True):

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_colossal.checkpoint.format import FabricObjects
 from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_protocol import NameKeyedOptimizerState, SkipsGradientSync, StepEngine, StepsOptimizer
@@ -277,11 +278,11 @@ class EngineStrategy(JoinedParametersMixin, ColossalStrategy, Generic[EngineT]):
         return pieces, group
 
     # ---------------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    def save_portable_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, fabric_objects: FabricObjects | None = None
     ) -> None:
         try:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            super().save_portable_checkpoint(checkpoint, filepath, fabric_objects)
         finally:
             # The optimizer state the disk tier read for this checkpoint is written (or staged): host memory goes
             # back to a few records.

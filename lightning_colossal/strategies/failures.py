@@ -85,10 +85,15 @@ class FailureReportingMixin(ParallelStrategy):
         watchdog, self._watchdog = self._watchdog, None
         return None if watchdog is None else watchdog.stop(clean=clean, wait_for_failure=wait_for_failure)
 
+    #: Optimizer steps taken, counted by an adapter without a Trainer (``fabric/``); the Trainer's ``global_step`` is
+    #: read instead when there is one.
+    steps_without_trainer: int | None = None
+
     def _current_global_step(self) -> int | None:
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
-        return None if trainer is None else trainer.global_step
+        # A plain nn.Module under Fabric has no `_trainer` (and nn.Module's getattr raises for it).
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return self.steps_without_trainer if trainer is None else trainer.global_step
 
     def _failure_being_torn_down(self) -> BaseException | None:
         """The error that ended this run, when teardown follows a failed run (else ``None``).
@@ -99,7 +104,10 @@ class FailureReportingMixin(ParallelStrategy):
         """
         failure = sys.exc_info()[1]
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if module is not None and trainer is None:
+            # A module without a Trainer (Fabric): its teardown after a failure runs inside that failure's handler.
+            return failure
         interrupted = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
         # (an error the caller was handling around a successful run is not this run's failure)
         return failure if failure is not None and interrupted else None

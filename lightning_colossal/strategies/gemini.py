@@ -101,7 +101,7 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         ]
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def _build_engine(self, trainer: pl.Trainer, optimizer: Optimizer | None) -> GeminiEngine:
+    def _build_engine(self, trainer: pl.Trainer | None, optimizer: Optimizer | None) -> GeminiEngine:
         # Built outside fitting too: chunks hold the model, so validate/test/predict run through the engine.
         assert self.lightning_module is not None
         engine = GeminiEngine(
@@ -112,8 +112,9 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
             self.root_device,
             timeout=self._timeout,
         )
-        # Chunked parameters are empty placeholders between gathers; Lightning's summary would count them as 0.
-        count_whole_parameters_in_model_summary(trainer, engine.whole_numel)
+        if trainer is not None:  # (None: built for a Fabric loop, which has no summary)
+            # Chunked parameters are empty placeholders between gathers; Lightning's summary would count them as 0.
+            count_whole_parameters_in_model_summary(trainer, engine.whole_numel)
         return engine
 
     def _release_engine(self, engine: GeminiEngine) -> None:

@@ -68,7 +68,8 @@ class JoinedParametersMixin:
                 continue
             assert self.lightning_module is not None
             masters = engine.give_back_optimizer()
-            replacement = self._build_engine(self.lightning_module.trainer, engine.optimizer)
+            # (`_trainer`: None under Fabric, where the module may be a plain nn.Module)
+            replacement = self._build_engine(getattr(self.lightning_module, "_trainer", None), engine.optimizer)
             assert replacement is not None
             replacement.adopt_masters(masters)
             self.engines[index] = replacement

@@ -19,6 +19,9 @@ LIGHTNING_DISTRIBUTIONS = ("lightning", "pytorch_lightning", "lightning_fabric",
 
 # (module, name) of every private Lightning name the package uses, as `_lightning_private.py` imports them.
 PRIVATE_NAMES = [
+    ("lightning.fabric.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"),
+    ("lightning.fabric.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
+    ("lightning.fabric.strategies.strategy", "_BackwardSyncControl"),
     ("lightning.fabric.strategies.launchers.subprocess_script", "_ChildProcessObserver"),
     ("lightning.fabric.utilities.cloud_io", "_load"),
     ("lightning.fabric.utilities.distributed", "_get_default_process_group_backend_for_device"),

@@ -1,0 +1,220 @@
+"""The Fabric strategies of each mode: what Fabric's loop shape needs of the mode beyond the base
+([Note: one mode, two front doors] in ``fabric/strategy.py``).
+
+=====================  ==========================  ================================================================
+Fabric strategy        names                       what it adds
+=====================  ==========================  ================================================================
+``FabricDDPStrategy``  ``colossal_ddp``            the module wrapped in torch DDP; late-unfrozen parameters averaged
+``FabricZeroStrategy`` ``colossal_zero1/2``,       one ZeRO engine per optimizer, built when the optimizer is set up
+                       ``*_offload``
+``FabricGeminiStrategy`` ``colossal_gemini``,      the engine built with the one optimizer; step contexts and gather
+                       ``_auto``, ``_offload``     rounds around every forward; chunks counted before backward
+``FabricFSDPStrategy`` ``colossal_fsdp``,          the module sharded by FSDP2 at set-up; an optimizer made before
+                       ``colossal_fsdp_offload``   that points at the sharded parameters; unused gradients tracked
+=====================  ==========================  ================================================================
+
+Hybrid parallelism has no Fabric strategy yet: its pipeline schedule replaces the training step, which a Fabric loop
+writes itself, and its tensor-parallel loss needs a context around the user's loss code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_colossal.distributed import collectives
+from lightning_colossal.engine_parts.meta_init import has_meta_tensors
+from lightning_colossal.fabric.strategy import ColossalFabricStrategy
+from lightning_colossal.fsdp import UnusedGradientTracker, include_unused_parameters_in_reduction
+from lightning_colossal.strategies._lightning_private import _optimizers_to_device
+from lightning_colossal.strategies.ddp import ColossalDDPStrategy
+from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
+from lightning_colossal.strategies.gemini import GeminiStrategy
+from lightning_colossal.strategies.zero import ZeroStrategy
+
+
+class FabricDDPStrategy(ColossalFabricStrategy):
+    """``colossal_ddp`` for Fabric: torch DDP with this package's precision, clipping and checkpoints."""
+
+    trainer_strategy = ColossalDDPStrategy
+    mode: ColossalDDPStrategy
+
+    def _prepare_model(self, module: Module) -> Module:
+        return self.mode._wrap(module)  # DDP copies rank 0's buffers before each forward itself
+
+    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        _optimizers_to_device([optimizer], self.root_device)
+        return optimizer
+
+    def after_backward(self, loss: Tensor) -> None:
+        # ddp.py [Note: parameters that become trainable after wrapping]
+        self.mode.post_backward(loss)
+
+
+class _EngineFabricStrategy(ColossalFabricStrategy):
+    """A mode whose engine takes over the optimizer (ZeRO, Gemini): built over the set-up module when its optimizer
+    is set up; parameters unfrozen by hand join (ZeRO) or are refused (Gemini) before the next backward."""
+
+    mode: Any  # an EngineStrategy
+
+    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        if self.mode.engines and not self.mode.takes_several_optimizers:
+            raise ValueError(
+                f"{type(self).__name__} shards exactly one optimizer. Put all parameters into one optimizer with one"
+                " param group per setting, or use colossal_zero1 / colossal_zero2, which take one engine per"
+                " optimizer."
+            )
+        self._refuse_shared_parameters(optimizer)
+        engine = self.mode._build_engine(None, optimizer)
+        self.mode._record_held_frozen([optimizer])
+        self.mode.engines = [*self.mode.engines, engine]
+        self.mode._fitted_engines = list(self.mode.engines)
+        self.mode._wire_precision_plugin()
+        return optimizer
+
+    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        optimizer = super()._take_optimizer(optimizer, joint)
+        self.mode._group_counts = self.mode._optimizer_group_counts()
+        return optimizer
+
+    def _refuse_shared_parameters(self, optimizer: Optimizer) -> None:
+        taken = {id(parameter) for earlier in self.mode.optimizers for parameter in _parameters(earlier)}
+        for parameter in _parameters(optimizer):
+            if parameter.requires_grad and id(parameter) in taken:
+                raise ValueError(
+                    f"A parameter of shape {tuple(parameter.shape)} is in two optimizers: {type(self).__name__} shards"
+                    " each optimizer's parameters separately, so a parameter must belong to one optimizer only."
+                )
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        if self.mode.engines:
+            # A backbone unfrozen by hand since the last step (joined_parameters.py).
+            self.mode._take_over_joined_parameters()
+        return loss
+
+
+class FabricZeroStrategy(_EngineFabricStrategy):
+    """``colossal_zero1`` / ``colossal_zero2`` (and ``*_offload``) for Fabric: one ZeRO engine per optimizer."""
+
+    trainer_strategy = ZeroStrategy
+
+
+class FabricGeminiStrategy(_EngineFabricStrategy):
+    """``colossal_gemini`` (``_auto``, ``_offload``) for Fabric: parameters, gradients and optimizer state in chunks,
+    built when the one optimizer is set up."""
+
+    trainer_strategy = GeminiStrategy
+    mode: GeminiStrategy
+
+    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        if not joint and self._module is not None and has_meta_tensors(self._module):
+            raise ValueError(
+                "colossal_gemini chunks a model built on the meta device (`fabric.init_module(empty_init=True)`)"
+                " together with its optimizer: set them up in one call, `model, optimizer = fabric.setup(model,"
+                " optimizer)`."
+            )
+        return super()._take_optimizer(optimizer, joint)
+
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        if not optimizers and has_meta_tensors(module):
+            raise ValueError(
+                "colossal_gemini materialises a model built on the meta device while chunking it with its optimizer:"
+                " pass the optimizer to `fabric.setup(model, optimizer)`."
+            )
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+
+    @contextmanager
+    def forward_context(self, module: Module) -> Generator[None, None, None]:
+        engine = self.mode.engine
+        with super().forward_context(module):
+            if engine is None:
+                yield
+                return
+            with engine.step_context():
+                yield
+
+    def after_forward(self) -> None:
+        # Ranks may have run different modules (experts without tokens): serve the gathers others still need.
+        if self.mode.engine is not None:
+            self.mode.engine.finish_phase()
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        loss = super().before_backward(loss)
+        if self.mode.engine is not None:
+            self.mode.engine.prepare_backward(loss)
+        return loss
+
+
+class FabricFSDPStrategy(ColossalFabricStrategy):
+    """``colossal_fsdp`` / ``colossal_fsdp_offload`` for Fabric: the module sharded by FSDP2 at set-up."""
+
+    trainer_strategy = ColossalFSDPStrategy
+    mode: ColossalFSDPStrategy
+
+    def _prepare_model(self, module: Module) -> Module:
+        self.mode._roots = self.mode._shard(module)
+        torch_reduces_unused = include_unused_parameters_in_reduction(self.mode._roots)
+        vote_group = collectives.host_group_like(None, self.mode._timeout) if self.world_size > 1 else None
+        self.mode._gradient_tracker = UnusedGradientTracker(module, torch_reduces_unused, vote_group=vote_group)
+        return module
+
+    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        # An optimizer made before the module was sharded (`fabric.setup(model, optimizer)`) holds the parameters
+        # FSDP2 replaced: point it at the sharded ones, by name.
+        assert self._module is not None
+        sharded = dict(self._module.named_parameters())
+        names = self.mode._names_before_sharding
+        for group in optimizer.param_groups:
+            replaced = []
+            for parameter in group["params"]:
+                name = names.get(id(parameter))
+                if name is not None and name in sharded and sharded[name] is not parameter:
+                    if optimizer.state.get(parameter):
+                        raise ValueError(
+                            "The optimizer already holds state for the unsharded parameters: set up the model and"
+                            " optimizer before the first step."
+                        )
+                    parameter = sharded[name]
+                replaced.append(parameter)
+            group["params"] = replaced
+        return optimizer
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        tracker = self.mode._gradient_tracker
+        if tracker is None:
+            return loss
+        assert self._module is not None
+        return tracker.before_backward(loss, self._module)
+
+    def after_backward(self, loss: Tensor) -> None:
+        tracker = self.mode._gradient_tracker
+        if tracker is not None and not self.mode._gradient_sync_blocked:
+            tracker.after_synchronising_backward()
+
+
+def _parameters(optimizer: Optimizer) -> list[Any]:
+    return [parameter for group in optimizer.param_groups for parameter in group["params"]]
+
+
+#: Every Fabric strategy class, in registration order.
+FABRIC_STRATEGIES: tuple[type[ColossalFabricStrategy], ...] = (
+    FabricDDPStrategy,
+    FabricZeroStrategy,
+    FabricGeminiStrategy,
+    FabricFSDPStrategy,
+)
+
+__all__ = [
+    "FABRIC_STRATEGIES",
+    "FabricDDPStrategy",
+    "FabricFSDPStrategy",
+    "FabricGeminiStrategy",
+    "FabricZeroStrategy",
+]

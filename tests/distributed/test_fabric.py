@@ -1,0 +1,280 @@
+"""The Fabric strategies through a real Fabric loop at 2 CPU ranks, against one process on the same global batch.
+
+Each body builds ``Fabric(strategy=...)`` inside a rank-pool worker (the pool's environment makes Fabric's popen
+launcher start nothing) and trains ``RegressionModel`` by hand: ``fabric.setup``, ``no_backward_sync`` on the
+non-final micro-batches of accumulation, ``fabric.backward``, ``fabric.clip_gradients``, ``optimizer.step()``. The
+one-process reference (``one_process``) runs the same loop in plain PyTorch on the global batch, inside the worker so
+that both sides run the same kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch import seed_everything
+from torch import nn
+
+import lightning_colossal  # noqa: F401  (registers the Fabric strategy names)
+from lightning_colossal.fabric import FabricPrecision, FabricZeroStrategy
+from lightning_colossal.fabric.precision import to_fabric_precision
+from tests.distributed.oracle import MODEL_SEED, RegressionModel, _rank_micro_batches, build_optimizer, make_dataset
+from tests.harness.rank_pool import current_rank, current_world_size
+
+STEPS = 3
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+MODES = [
+    "colossal_ddp",
+    "colossal_zero1",
+    "colossal_zero2",
+    "colossal_zero2_offload",
+    "colossal_gemini",
+    "colossal_gemini_offload",
+    "colossal_fsdp",
+]
+
+
+def _model() -> nn.Module:
+    seed_everything(MODEL_SEED, verbose=False)
+    return RegressionModel()
+
+
+def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return build_optimizer(model, 0.02)  # two groups, one with weight decay, one at half the learning rate
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().float().cpu().clone() for name, value in state.items()}
+
+
+def one_process(
+    world_size: int, steps: int, accumulate: int, optimizer_kind: str, clip_norm: float | None = None
+) -> dict[str, Any]:
+    """The loop below in one process on the global batch: per step the mean of every rank's micro-batch losses."""
+    model = _model()
+    optimizer = _optimizer(model, optimizer_kind)
+    inputs, targets = make_dataset().tensors
+    batches = _rank_micro_batches(make_dataset(), world_size, 4)
+    losses = []
+    for _ in range(steps):
+        step_losses = []
+        for _ in range(accumulate):
+            for indices in next(batches):
+                step_losses.append(nn.functional.mse_loss(model(inputs[indices]), targets[indices]))
+        loss = torch.stack(step_losses).mean()
+        loss.backward()
+        losses.append(loss.item())
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "parameters": _whole(model.state_dict())}
+
+
+def _fabric(strategy: Any, precision: str = "32-true") -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=current_world_size(), strategy=strategy, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int, accumulate: int, clip_norm: float | None) -> list:
+    """The hand-written loop: returns each step's loss, averaged over this rank's micro-batches."""
+    inputs, targets = make_dataset().tensors
+    batches = _rank_micro_batches(make_dataset(), current_world_size(), 4)
+    rank = current_rank()
+    losses = []
+    for _ in range(steps):
+        total = 0.0
+        for micro in range(accumulate):
+            indices = next(batches)[rank]
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                loss = nn.functional.mse_loss(model(inputs[indices]).float(), targets[indices])
+                fabric.backward(loss / accumulate)
+            total += loss.item() / accumulate
+        if clip_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def fabric_loop_body(
+    strategy: str, accumulate: int, optimizer_kind: str, clip_norm: float | None, separate_setup: bool
+) -> dict[str, Any]:
+    fabric = _fabric(strategy)
+    model = _model()
+    if separate_setup:  # litgpt's order: the module first, the optimizer over the set-up module's parameters
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(_optimizer(model, optimizer_kind))
+    else:
+        model, optimizer = fabric.setup(model, _optimizer(model, optimizer_kind))
+    losses = _train(fabric, model, optimizer, STEPS, accumulate, clip_norm)
+    result = {"losses": losses, "parameters": _whole(fabric.strategy.get_module_state_dict(model))}
+    if current_rank() == 0:
+        result["oracle"] = one_process(current_world_size(), STEPS, accumulate, optimizer_kind, clip_norm)
+    return result
+
+
+def _assert_matches(results: list[dict[str, Any]]) -> None:
+    oracle = results[0]["oracle"]
+    mean_losses = [sum(step) / len(results) for step in zip(*(result["losses"] for result in results), strict=True)]
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(oracle["losses"]), **FP32)
+    for result in results:
+        torch.testing.assert_close(result["parameters"], oracle["parameters"], **FP32)
+    moved = max((results[0]["parameters"][name] - _whole(_model().state_dict())[name]).abs().max() for name in oracle["parameters"])
+    assert moved > 1e-3, "the weights did not train: the comparison would prove nothing"
+
+
+@pytest.mark.parametrize("strategy", MODES)
+def test_sgd_with_accumulation_and_a_clip_that_does_not_trigger_matches_one_process(rank_pool_2, strategy):
+    # SGD and a clip far above the norm: a wrong gradient scale (a sum for a mean, an accumulation counted twice) shows.
+    _assert_matches(rank_pool_2.run(fabric_loop_body, strategy, 2, "sgd", 100.0, False))
+
+
+@pytest.mark.parametrize("strategy", ["colossal_zero2", "colossal_gemini", "colossal_fsdp", "colossal_ddp"])
+def test_adamw_with_two_groups_and_a_clip_that_triggers_matches_one_process(rank_pool_2, strategy):
+    _assert_matches(rank_pool_2.run(fabric_loop_body, strategy, 1, "adamw", 0.05, False))
+
+
+@pytest.mark.parametrize("strategy", ["colossal_zero2", "colossal_fsdp"])
+def test_module_and_optimizer_set_up_separately_match_one_process(rank_pool_2, strategy):
+    _assert_matches(rank_pool_2.run(fabric_loop_body, strategy, 1, "adamw", None, True))
+
+
+def save_then_resume_body(save_strategy: str, path: str) -> dict[str, Any]:
+    """Train 2 steps and save: every rank of this pool."""
+    fabric = _fabric(save_strategy)
+    model = _model()
+    model, optimizer = fabric.setup(model, _optimizer(model, "adamw"))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    _train(fabric, model, optimizer, 2, 1, None)
+    scheduler.step()
+    fabric.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 2})
+    return {}
+
+
+def resume_body(load_strategy: str, path: str, save_world_size: int) -> dict[str, Any]:
+    """Load at this pool's world size under ``load_strategy`` and take a third step."""
+    fabric = _fabric(load_strategy)
+    model = _model()
+    model, optimizer = fabric.setup(model, _optimizer(model, "adamw"))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    remainder = fabric.load(path, state)
+    # Continue with the batches the saving run would have read next, on this world size's split of them.
+    inputs, targets = make_dataset().tensors
+    batch = next(iter(_skip(_rank_micro_batches(make_dataset(), save_world_size, 4), 2)))
+    indices = [index for rank_indices in batch for index in rank_indices]
+    share = len(indices) // current_world_size()
+    mine = indices[current_rank() * share : (current_rank() + 1) * share]
+    loss = nn.functional.mse_loss(model(inputs[mine]), targets[mine])
+    fabric.backward(loss)
+    optimizer.step()
+    result = {
+        "step": state["step"],
+        "learning_rate": optimizer.param_groups[0]["lr"],
+        "remainder": sorted(remainder),
+        "parameters": _whole(fabric.strategy.get_module_state_dict(model)),
+    }
+    if current_rank() == 0:
+        result["oracle"] = _continued_oracle(save_world_size)
+    return result
+
+
+def _skip(iterator: Any, count: int) -> Any:
+    for _ in range(count):
+        next(iterator)
+    return iterator
+
+
+def _continued_oracle(world_size: int) -> dict[str, torch.Tensor]:
+    """One process: two steps, the scheduler's step, a third step on the next global batch."""
+    model = _model()
+    optimizer = _optimizer(model, "adamw")
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    inputs, targets = make_dataset().tensors
+    batches = _rank_micro_batches(make_dataset(), world_size, 4)
+    for step in range(3):
+        indices = [index for rank_indices in next(batches) for index in rank_indices]
+        nn.functional.mse_loss(model(inputs[indices]), targets[indices]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            scheduler.step()
+    return _whole(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("save_strategy", "load_strategy", "load_ranks"),
+    [("colossal_zero2", "colossal_gemini", 1), ("colossal_gemini", "colossal_fsdp", 2), ("colossal_fsdp", "colossal_zero1", 1)],
+    ids=["zero2-to-gemini-1-rank", "gemini-to-fsdp", "fsdp-to-zero1-1-rank"],
+)
+def test_save_and_resume_at_another_world_size_and_strategy(
+    rank_pool_2, rank_pool_1, tmp_path, save_strategy, load_strategy, load_ranks
+):
+    path = str(tmp_path / "step-2" / "lit_model.pth")
+    rank_pool_2.run(save_then_resume_body, save_strategy, path)
+    # The file holds the whole weights under the user's key too, for tools that read it without this package.
+    plain = torch.load(path, map_location="cpu", weights_only=False)
+    assert set(plain["model"]) == set(_model().state_dict())
+    pool = rank_pool_1 if load_ranks == 1 else rank_pool_2
+    results = pool.run(resume_body, load_strategy, path, 2)
+    for result in results:
+        assert result["step"] == 2 and result["learning_rate"] == pytest.approx(0.01)
+        assert result["remainder"] == []
+        torch.testing.assert_close(result["parameters"], results[0]["oracle"], **FP32)
+
+
+def trainer_checkpoint_body(path: str) -> dict[str, Any]:
+    """A Trainer checkpoint (colossal_zero2) loaded into a Fabric loop (colossal_gemini) over the same module."""
+    from tests.distributed.oracle import new_module, quiet_trainer
+
+    module = new_module()
+    trainer = quiet_trainer(strategy="colossal_zero2", devices=current_world_size(), max_steps=2)
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    trained = _whole(module.state_dict())
+    fabric = _fabric("colossal_gemini")
+    fresh = new_module()
+    model, optimizer = fabric.setup(fresh, build_optimizer(fresh, 0.02))
+    remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
+    return {"trained": trained, "loaded": _whole(fabric.strategy.get_module_state_dict(model)), "keys": sorted(remainder)}
+
+
+def test_a_trainer_checkpoint_loads_into_a_fabric_loop(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(trainer_checkpoint_body, str(tmp_path / "trainer.ckpt"))
+    for result in results:
+        torch.testing.assert_close(result["loaded"], result["trained"], rtol=0, atol=0)
+        assert "global_step" in result["keys"] and "loops" in result["keys"]  # Lightning's entries, handed back
+
+
+@pytest.mark.parametrize(
+    "name", ["colossal_zero2_offload_notebook", "colossal_fsdp_offload", "colossal_gemini_auto"]
+)
+def test_every_registered_name_builds_a_fabric_strategy(name):
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=name)
+    assert type(fabric.strategy).__module__ == "lightning_colossal.fabric.modes"
+
+
+def test_hybrid_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="pipeline schedule replaces the training step"):
+        Fabric(accelerator="cpu", devices=1, strategy="colossal_hybrid")
+
+
+def test_fabric_precision_plugins_are_translated_not_dropped():
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricZeroStrategy(stage=2), precision="bf16-mixed")
+    assert isinstance(fabric.strategy.precision, FabricPrecision)
+    assert fabric.strategy.precision.precision == "bf16-mixed"
+    assert to_fabric_precision(None).precision == "32-true"
+    with pytest.raises(ValueError):
+        to_fabric_precision(__import__("lightning.fabric.plugins.precision", fromlist=["HalfPrecision"]).HalfPrecision("16-true"))
+
+
+def test_background_saves_are_refused_under_fabric():
+    with pytest.raises(ValueError, match="async_checkpoint"):
+        FabricZeroStrategy(stage=2, async_checkpoint=True)
