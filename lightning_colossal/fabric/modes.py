@@ -61,6 +61,8 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
     is set up; parameters unfrozen by hand join (ZeRO) or are refused (Gemini) before the next backward."""
 
     mode: Any  # an EngineStrategy
+    _load_hooks: list[Any] = []
+    _loading: Any = None
 
     def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
         if self.mode.engines and not self.mode.takes_several_optimizers:
@@ -97,11 +99,51 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
             self.mode._take_over_joined_parameters()
         return loss
 
+    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        optimizer = super()._take_optimizer(optimizer, joint)
+        if not self._load_hooks:
+            assert self._module is not None
+            self._load_hooks = [
+                self._module.register_load_state_dict_pre_hook(self._before_weights_load),
+                self._module.register_load_state_dict_post_hook(self._after_weights_load),
+            ]
+        return optimizer
+
+    def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """``model.load_state_dict(weights)`` after set-up ([Note: weights loaded into a set-up model])."""
+
+    def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
+        """See ``_before_weights_load``."""
+
+    def teardown(self) -> None:
+        for handle in self._load_hooks:
+            handle.remove()
+        self._load_hooks = []
+        super().teardown()
+
 
 class FabricZeroStrategy(_EngineFabricStrategy):
-    """``colossal_zero1`` / ``colossal_zero2`` (and ``*_offload``) for Fabric: one ZeRO engine per optimizer."""
+    """``colossal_zero1`` / ``colossal_zero2`` (and ``*_offload``) for Fabric: one ZeRO engine per optimizer.
+
+    [Note: weights loaded into a set-up model]
+    A Fabric loop may load weights with ``model.load_state_dict(weights)`` after ``fabric.setup`` (litgpt loads its
+    pretrained checkpoint that way). The engines keep another copy of the weights: ZeRO's fp32 masters (where the
+    parameters are not fp32), Gemini's chunks (where the parameters are empty placeholders). Hooks on the module's
+    ``load_state_dict`` keep them right: under ZeRO the masters take the loaded values (unrounded, from the weights
+    given) once the module has loaded them; under Gemini the engine takes the chunked parameters' rows from the
+    weights given, the module loads the rest, and the chunked names are not reported missing. Without them the first
+    step would undo the loaded weights (ZeRO) or the load would fail on the placeholders (Gemini).
+    """
 
     trainer_strategy = ZeroStrategy
+
+    def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        self._loading = {name.removeprefix(prefix): value for name, value in state_dict.items()}
+
+    def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
+        loaded, self._loading = self._loading, None
+        for engine in self.mode.engines:
+            engine.parameters_to_masters(full_weights=loaded)
 
 
 class FabricGeminiStrategy(_EngineFabricStrategy):
@@ -150,6 +192,23 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
         if self.mode.engine is not None:
             self.mode.engine.prepare_backward(loss)
         return loss
+
+    def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # [Note: weights loaded into a set-up model]; `state_dict` is load_state_dict's own copy.
+        engine = self.mode.engine
+        chunked = engine.chunked_names()
+        weights = {name.removeprefix(prefix): value for name, value in state_dict.items()}
+        taken = {name for name in weights if name in chunked}
+        if not taken:
+            return
+        engine.load_full_weights({name: weights[name] for name in taken})
+        for name in taken:
+            del state_dict[prefix + name]
+        self._loading = {prefix + name for name in taken}
+
+    def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
+        taken, self._loading = self._loading or set(), None
+        incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys if key not in taken]
 
 
 class FabricFSDPStrategy(ColossalFabricStrategy):

@@ -230,6 +230,29 @@ def test_save_and_resume_at_another_world_size_and_strategy(
         torch.testing.assert_close(result["parameters"], results[0]["oracle"], **FP32)
 
 
+def load_after_setup_body(strategy: str, precision: str, path: str) -> dict[str, Any]:
+    """litgpt's order: set up, then `model.load_state_dict(pretrained)`, then train; the engine's copy follows."""
+    seed_everything(123, verbose=False)
+    pretrained = RegressionModel().state_dict()
+    fabric = _fabric(strategy, precision)
+    model = _model()
+    model, optimizer = fabric.setup(model, _optimizer(model, "sgd"))
+    model.load_state_dict(pretrained)
+    fabric.save(path, {"model": model})  # written from the engine's copy: fp32 masters, Gemini's chunks
+    return {"pretrained": _whole(pretrained)}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "precision"), [("colossal_zero2", "bf16-true"), ("colossal_gemini", "32-true")], ids=["zero2-bf16", "gemini"]
+)
+def test_weights_loaded_after_setup_reach_the_engine(rank_pool_2, tmp_path, strategy, precision):
+    path = str(tmp_path / "loaded.pth")
+    results = rank_pool_2.run(load_after_setup_body, strategy, precision, path)
+    saved = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    # Unrounded: bf16 parameters would differ from the fp32 weights in the 3rd decimal.
+    torch.testing.assert_close(_whole(saved), results[0]["pretrained"], rtol=0, atol=0)
+
+
 def trainer_checkpoint_body(path: str) -> dict[str, Any]:
     """A Trainer checkpoint (colossal_zero2) loaded into a Fabric loop (colossal_gemini) over the same module."""
     from tests.distributed.oracle import new_module, quiet_trainer
