@@ -126,9 +126,7 @@ def load(
     precision_state = remainder.pop(PRECISION_KEY, None)
     if precision_state:
         strategy.precision.load_state_dict(precision_state)
-    missing = [
-        key for key in state if key != module_key and key not in optimizer_keys and key not in remainder
-    ]
+    missing = [key for key in state if key != module_key and key not in optimizer_keys and key not in remainder]
     if missing and strict:
         raise KeyError(
             f"{path} holds no {missing}: it was saved with other keys in the state. Ask for the keys it holds, or"
@@ -197,7 +195,9 @@ def _load_plain(
         if weights_key not in contents:
             raise KeyError(f"{path} holds no {module_key!r} entry: pass the key its model was saved under.")
         mode._load_full_model_state(contents.pop(weights_key), strict)
-    saved_optimizers = contents.pop("optimizer_states", []) if lightning else [contents.pop(k, None) for k in optimizer_keys]
+    saved_optimizers = (
+        contents.pop("optimizer_states", []) if lightning else [contents.pop(k, None) for k in optimizer_keys]
+    )
     for key, saved in zip(optimizer_keys, saved_optimizers, strict=False):
         if saved is None:
             raise KeyError(f"{path} holds no optimizer state under {key!r}.")

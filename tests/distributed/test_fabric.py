@@ -19,7 +19,6 @@ from torch import nn
 
 import lightning_colossal  # noqa: F401  (registers the Fabric strategy names)
 from lightning_colossal.fabric import FabricPrecision, FabricZeroStrategy
-from lightning_colossal.fabric.precision import to_fabric_precision
 from tests.distributed.oracle import MODEL_SEED, RegressionModel, _rank_micro_batches, build_optimizer, make_dataset
 from tests.harness.rank_pool import current_rank, current_world_size
 
@@ -126,7 +125,10 @@ def _assert_matches(results: list[dict[str, Any]]) -> None:
     torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(oracle["losses"]), **FP32)
     for result in results:
         torch.testing.assert_close(result["parameters"], oracle["parameters"], **FP32)
-    moved = max((results[0]["parameters"][name] - _whole(_model().state_dict())[name]).abs().max() for name in oracle["parameters"])
+    moved = max(
+        (results[0]["parameters"][name] - _whole(_model().state_dict())[name]).abs().max()
+        for name in oracle["parameters"]
+    )
     assert moved > 1e-3, "the weights did not train: the comparison would prove nothing"
 
 
@@ -211,7 +213,11 @@ def _continued_oracle(world_size: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     ("save_strategy", "load_strategy", "load_ranks"),
-    [("colossal_zero2", "colossal_gemini", 1), ("colossal_gemini", "colossal_fsdp", 2), ("colossal_fsdp", "colossal_zero1", 1)],
+    [
+        ("colossal_zero2", "colossal_gemini", 1),
+        ("colossal_gemini", "colossal_fsdp", 2),
+        ("colossal_fsdp", "colossal_zero1", 1),
+    ],
     ids=["zero2-to-gemini-1-rank", "gemini-to-fsdp", "fsdp-to-zero1-1-rank"],
 )
 def test_save_and_resume_at_another_world_size_and_strategy(
@@ -243,7 +249,9 @@ def load_after_setup_body(strategy: str, precision: str, path: str) -> dict[str,
 
 
 @pytest.mark.parametrize(
-    ("strategy", "precision"), [("colossal_zero2", "bf16-true"), ("colossal_gemini", "32-true")], ids=["zero2-bf16", "gemini"]
+    ("strategy", "precision"),
+    [("colossal_zero2", "bf16-true"), ("colossal_gemini", "32-true")],
+    ids=["zero2-bf16", "gemini"],
 )
 def test_weights_loaded_after_setup_reach_the_engine(rank_pool_2, tmp_path, strategy, precision):
     path = str(tmp_path / "loaded.pth")
@@ -266,7 +274,11 @@ def trainer_checkpoint_body(path: str) -> dict[str, Any]:
     fresh = new_module()
     model, optimizer = fabric.setup(fresh, build_optimizer(fresh, 0.02))
     remainder = fabric.load(path, {"model": model, "optimizer": optimizer})
-    return {"trained": trained, "loaded": _whole(fabric.strategy.get_module_state_dict(model)), "keys": sorted(remainder)}
+    return {
+        "trained": trained,
+        "loaded": _whole(fabric.strategy.get_module_state_dict(model)),
+        "keys": sorted(remainder),
+    }
 
 
 def test_a_trainer_checkpoint_loads_into_a_fabric_loop(rank_pool_2, tmp_path):
@@ -276,9 +288,7 @@ def test_a_trainer_checkpoint_loads_into_a_fabric_loop(rank_pool_2, tmp_path):
         assert "global_step" in result["keys"] and "loops" in result["keys"]  # Lightning's entries, handed back
 
 
-@pytest.mark.parametrize(
-    "name", ["colossal_zero2_offload_notebook", "colossal_fsdp_offload", "colossal_gemini_auto"]
-)
+@pytest.mark.parametrize("name", ["colossal_zero2_offload_notebook", "colossal_fsdp_offload", "colossal_gemini_auto"])
 def test_every_registered_name_builds_a_fabric_strategy(name):
     fabric = Fabric(accelerator="cpu", devices=1, strategy=name)
     assert type(fabric.strategy).__module__ == "lightning_colossal.fabric.modes"
@@ -293,9 +303,6 @@ def test_fabric_precision_plugins_are_translated_not_dropped():
     fabric = Fabric(accelerator="cpu", devices=1, strategy=FabricZeroStrategy(stage=2), precision="bf16-mixed")
     assert isinstance(fabric.strategy.precision, FabricPrecision)
     assert fabric.strategy.precision.precision == "bf16-mixed"
-    assert to_fabric_precision(None).precision == "32-true"
-    with pytest.raises(ValueError):
-        to_fabric_precision(__import__("lightning.fabric.plugins.precision", fromlist=["HalfPrecision"]).HalfPrecision("16-true"))
 
 
 def test_background_saves_are_refused_under_fabric():
