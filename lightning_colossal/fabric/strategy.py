@@ -141,9 +141,10 @@ class ColossalFabricStrategy(ParallelStrategy):
 
     @property
     def engine(self) -> Any:
-        """The engine of the one optimizer set up (ZeRO, Gemini); ``None`` before ``setup_optimizers`` or without one."""
-        engines = getattr(self.mode, "engines", [])
-        return self.mode.engine if len(engines) < 2 else engines
+        """The engine of the one optimizer set up (ZeRO, Gemini), the list of them with several optimizers (ZeRO);
+        ``None`` before ``setup_optimizers`` and in modes without one."""
+        engines = getattr(self.mode, "engines", [])  # (DDP and FSDP run no engine)
+        return engines[0] if len(engines) == 1 else (engines or None)
 
     # ---------------------------------------------------------------------------------------------- processes
     def _configure_launcher(self) -> None:
