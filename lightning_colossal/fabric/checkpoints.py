@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning
+import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -36,8 +38,22 @@ if TYPE_CHECKING:
 #: The Trainer's key of the precision plugin's state (``type(plugin).__qualname__`` of the Trainer's plugin), so both
 #: front doors resume the same loss scaler.
 PRECISION_KEY = "ColossalPrecision"
+#: Lightning's key of the version that wrote a checkpoint.
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
+#: Lightning's key of the LR schedulers' states, in the order the Trainer's `configure_optimizers` returns them.
+LR_SCHEDULERS_KEY = "lr_schedulers"
 #: Keys of the checkpoint file that the format owns; a user's entry may not use them.
-RESERVED_KEYS = frozenset({"state_dict", "optimizer_states", FORMAT_KEY, CURRENT_MODEL_STATE, PRECISION_KEY})
+RESERVED_KEYS = frozenset(
+    {
+        "state_dict",
+        "optimizer_states",
+        FORMAT_KEY,
+        CURRENT_MODEL_STATE,
+        PRECISION_KEY,
+        LIGHTNING_VERSION_KEY,
+        LR_SCHEDULERS_KEY,
+    }
+)
 
 
 def save(
@@ -64,6 +80,12 @@ def save(
         "state_dict": model_state,
         "optimizer_states": [mode.optimizer_names_and_state(state[key]) for key in optimizer_keys],
     }
+    # What Lightning's own checkpoint readers need to resume from it (Trainer(...).fit(ckpt_path=...)): the version
+    # they migrate from and the LR schedulers' states (also under the user's keys), in the order of the state.
+    checkpoint[LIGHTNING_VERSION_KEY] = lightning.__version__
+    checkpoint[LR_SCHEDULERS_KEY] = [
+        value.state_dict() for value in state.values() if isinstance(value, torch.optim.lr_scheduler.LRScheduler)
+    ]
     precision_state = strategy.precision.state_dict()
     if precision_state:
         checkpoint[PRECISION_KEY] = precision_state
@@ -100,6 +122,7 @@ def load(
             return read_checkpoint_file(path, weights_only)
         contents = load_metadata(files, weights_only)
         description = CheckpointDescription.remove_from(contents) or CheckpointDescription()
+        _drop_entries_for_the_trainer(contents, description)
         key = description.fabric.module if description.fabric is not None else "state_dict"
         return {**contents, key: load_file_weights(files)}
     if isinstance(state, Optimizer):
@@ -174,7 +197,16 @@ def _load_ours(
             files.path, weights_only, optimizers=ordered, strict=strict, resuming=bool(ordered)
         )
     CheckpointDescription.remove_from(contents)
+    _drop_entries_for_the_trainer(contents, description)
     return contents
+
+
+def _drop_entries_for_the_trainer(contents: dict[str, Any], description: CheckpointDescription) -> None:
+    """A Fabric save's entries written for the Trainer's readers only (a Fabric loop restores its schedulers from
+    its own keys); a Trainer checkpoint keeps them, as Lightning's entries handed back."""
+    if description.fabric is not None:
+        contents.pop(LIGHTNING_VERSION_KEY, None)
+        contents.pop(LR_SCHEDULERS_KEY, None)
 
 
 def _load_plain(

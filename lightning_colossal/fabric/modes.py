@@ -79,11 +79,6 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
         self.mode._wire_precision_plugin()
         return optimizer
 
-    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
-        optimizer = super()._take_optimizer(optimizer, joint)
-        self.mode._group_counts = self.mode._optimizer_group_counts()
-        return optimizer
-
     def _refuse_shared_parameters(self, optimizer: Optimizer) -> None:
         taken = {id(parameter) for earlier in self.mode.optimizers for parameter in _parameters(earlier)}
         for parameter in _parameters(optimizer):
@@ -101,6 +96,8 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
 
     def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
         optimizer = super()._take_optimizer(optimizer, joint)
+        # What joined_parameters.py compares with before each backward (a group added later).
+        self.mode._group_counts = self.mode._optimizer_group_counts()
         if not self._load_hooks:
             assert self._module is not None
             self._load_hooks = [

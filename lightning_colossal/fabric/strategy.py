@@ -199,7 +199,10 @@ class ColossalFabricStrategy(ParallelStrategy):
         return super().module_init_context(empty_init)
 
     def module_to_device(self, module: Module) -> None:
-        module.to(self.root_device)
+        if self.is_set_up(module):
+            return  # placed by setup_module
+        # Fabric moves the model before setting it up: a model on the meta device stays there for the engine.
+        self.mode.place_module(module)
 
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None

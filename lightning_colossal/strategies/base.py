@@ -402,12 +402,16 @@ class ColossalStrategy(FailureReportingMixin, OptimizerSetupMixin, Checkpointing
 
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.materialises_meta_models and has_meta_tensors(self.model):
+        self.place_module(self.model)
+
+    def place_module(self, module: torch.nn.Module) -> None:
+        """Move ``module`` to this rank's device, unless the engine materialises it from the meta device."""
+        if self.materialises_meta_models and has_meta_tensors(module):
             return  # the engine materialises this rank's shards on the device
-        if has_pretrained_weights(self.model) and has_meta_tensors(self.model):
+        if has_pretrained_weights(module) and has_meta_tensors(module):
             # Whole-model strategies (colossal_ddp, ZeRO) hold every weight on every rank: read them all here.
-            materialise_whole(self.model, self.root_device)
-        self.model.to(self.root_device)
+            materialise_whole(module, self.root_device)
+        module.to(self.root_device)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:

@@ -308,3 +308,91 @@ def test_fabric_precision_plugins_are_translated_not_dropped():
 def test_background_saves_are_refused_under_fabric():
     with pytest.raises(ValueError, match="async_checkpoint"):
         FabricZeroStrategy(stage=2, async_checkpoint=True)
+
+
+def meta_init_body(strategy: str) -> dict[str, Any]:
+    """`fabric.init_module(empty_init=True)`: built on the meta device, each rank's shards materialised at set-up."""
+    fabric = _fabric(strategy)
+    seed_everything(MODEL_SEED, verbose=False)
+    with fabric.init_module(empty_init=True):
+        model = RegressionModel()
+    on_meta = all(parameter.is_meta for parameter in model.parameters())
+    model, optimizer = fabric.setup(model, _optimizer(model, "adamw"))
+    losses = _train(fabric, model, optimizer, STEPS, 1, 1.0)
+    return {"on_meta": on_meta, "losses": losses, "parameters": _whole(fabric.strategy.get_module_state_dict(model))}
+
+
+@pytest.mark.parametrize("strategy", ["colossal_gemini", "colossal_fsdp"])
+def test_a_model_built_on_the_meta_device_trains(rank_pool_2, strategy):
+    results = rank_pool_2.run(meta_init_body, strategy)
+    assert all(result["on_meta"] for result in results)
+    for result in results:
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+        assert all(torch.isfinite(value).all() for value in result["parameters"].values())
+        torch.testing.assert_close(result["parameters"], results[0]["parameters"], rtol=0, atol=0)
+    # Initialised, not left at zero or uninitialised memory: the weight matrices have spread.
+    assert results[0]["parameters"]["hidden.weight"].std() > 1e-3
+
+
+def filtered_and_raw_body(strategy: str, directory: str) -> dict[str, Any]:
+    fabric = _fabric(strategy)
+    model = _model()
+    model, optimizer = fabric.setup(model, _optimizer(model, "sgd"))
+    _train(fabric, model, optimizer, 1, 1, None)
+    trained = _whole(fabric.strategy.get_module_state_dict(model))
+    fabric.save(f"{directory}/full.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    fabric.save(
+        f"{directory}/hidden.ckpt", {"model": model, "step": 1}, filter={"model": lambda name, _: "hidden" in name}
+    )
+    everything = fabric.load(f"{directory}/full.ckpt")
+    raw = torch.load(f"{directory}/hidden.ckpt", map_location="cpu", weights_only=False)
+    return {
+        "trained": trained,
+        "everything_keys": sorted(everything),
+        "everything_model": _whole(everything["model"]),
+        "filtered_keys": sorted(raw["model"]),
+    }
+
+
+def load_raw_body(strategy: str, directory: str) -> dict[str, Any]:
+    fabric = _fabric(strategy)
+    model = _model()
+    model, optimizer = fabric.setup(model, _optimizer(model, "sgd"))
+    fabric.load_raw(f"{directory}/full.ckpt", model)
+    torch.save({name: value for name, value in _model().state_dict().items()}, f"{directory}/plain.pth")
+    from_full = _whole(fabric.strategy.get_module_state_dict(model))
+    fabric.load_raw(f"{directory}/plain.pth", model)
+    return {"from_full": from_full, "from_plain": _whole(fabric.strategy.get_module_state_dict(model))}
+
+
+def test_filter_load_raw_and_the_whole_checkpoint(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(filtered_and_raw_body, "colossal_zero2", str(tmp_path))
+    result = results[0]
+    assert result["everything_keys"] == ["model", "step"]
+    torch.testing.assert_close(result["everything_model"], result["trained"], rtol=0, atol=0)
+    assert result["filtered_keys"] == ["hidden.weight"]
+    loaded = rank_pool_2.run(load_raw_body, "colossal_gemini", str(tmp_path))
+    for each in loaded:
+        torch.testing.assert_close(each["from_full"], result["trained"], rtol=0, atol=0)
+        torch.testing.assert_close(each["from_plain"], _whole(_model().state_dict()), rtol=0, atol=0)
+
+
+def fabric_to_trainer_body(path: str) -> dict[str, Any]:
+    """A Fabric checkpoint of a LightningModule resumed by the Trainer (another strategy): weights and optimizer."""
+    from tests.distributed.oracle import new_module, quiet_trainer
+
+    fabric = _fabric("colossal_gemini")
+    module = new_module()
+    model, optimizer = fabric.setup(module, build_optimizer(module, 0.02))
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    saved = _whole(fabric.strategy.get_module_state_dict(model))
+    fabric.strategy.teardown()
+    resumed = new_module()
+    trainer = quiet_trainer(strategy="colossal_zero2", devices=current_world_size(), max_steps=1)
+    trainer.fit(resumed, ckpt_path=path)
+    return {"saved": saved, "steps": trainer.global_step}
+
+
+def test_the_trainer_resumes_from_a_fabric_checkpoint(rank_pool_2, tmp_path):
+    results = rank_pool_2.run(fabric_to_trainer_body, str(tmp_path / "fabric.ckpt"))
+    assert all(result["steps"] == 1 for result in results)
