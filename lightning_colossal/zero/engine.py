@@ -74,6 +74,14 @@ class ZeroMemoryReport(NamedTuple):
         return cls(**{**summed, "parameter_bytes": first.parameter_bytes, "num_parameters": first.num_parameters})
 
 
+class _Publication(NamedTuple):
+    """Masters written into their parameters' rows together ([Note: masters to the device in one copy])."""
+
+    members: list[ReducedParameter]  # with rows on this rank and a master in the flat buffer
+    masters: list[Tensor]  # theirs, in the same order
+    span: tuple[int, int] | None  # the part of the flat master buffer they fill without a gap, if they do
+
+
 class ReducedGradient(NamedTuple):
     """A reduced gradient this rank holds for the optimizer step: the rows it owns under ZeRO, the whole gradient
     under plain averaging."""
@@ -142,7 +150,12 @@ class ZeroEngine(EngineDiskTier):
         disk_groups = self._disk_groups() if config.disk_fraction > 0 else []
         on_disk = {index for group in disk_groups for index in group} if config.masters_on_disk else set()
         self.master_buffer, self.master_gradient_buffer = self._allocate_masters(on_disk)
+        #: Whether the masters live on the host apart from the parameters, and reach them through a staging buffer on
+        #: the device ([Note: masters to the device in one copy]).
+        self._stages_masters = self.master_buffer is not None and config.cpu_offload
         self.masters = []
+        #: Where each master in the flat buffer starts, by the id of its parameter (masters on disk have no place).
+        self._master_offset: dict[int, int] = {}
         offset = 0
         for index, member in enumerate(self.members):
             if index in on_disk:
@@ -150,6 +163,7 @@ class ZeroEngine(EngineDiskTier):
                 self.masters.append(placeholder(_owned_rows(member.parameter.data, member), torch.float32))
             else:
                 self.masters.append(self._master_view(offset, member))
+                self._master_offset[id(member.parameter)] = offset
                 offset += member.spec.local_numel
         #: Each member by the id of its master.
         self._member_of_master = {id(master): member for member, master in zip(self.members, self.masters, strict=True)}
@@ -182,6 +196,13 @@ class ZeroEngine(EngineDiskTier):
         self.reducer = self._build_reducer()
         #: Whether the host gradient buffer is laid out as ZeRO-2's accumulator, member by member (one copy moves both).
         self._master_gradients_mirror_accumulator = self._mirrors_accumulator()
+        #: Separate masters written into the parameters' rows together ([Note: masters to the device in one copy]):
+        #: each bucket's after it stepped (the exchange overlapped with the step), and after a whole step.
+        self._bucket_publications = {id(bucket): self._publication(bucket.members) for bucket in self.reducer.buckets}
+        self._step_publications = self._publications_after_step()
+        #: Stage 1's staging room, taken from the reducer's pool for one bucket at a time.
+        spans = [publication.span for publication in self._bucket_publications.values() if publication.span is not None]
+        self._largest_span = max((end - start for start, end in spans), default=0)
         self.exchange = ParameterExchange(self.reducer, self.process_group, self.use_scatter_gather)
         #: Whether this step's ``step_optimizer`` already exchanged the rows ([Note: exchange overlapped with the step]).
         self._exchanged_in_step = False
@@ -272,6 +293,32 @@ class ZeroEngine(EngineDiskTier):
         return accumulator.numel() == self.master_gradient_buffer.numel() == offset and accumulator.dtype == (
             self.master_gradient_buffer.dtype
         )
+
+    def _publication(self, members: Sequence[ReducedParameter]) -> _Publication:
+        """``members`` with rows on this rank and a master in the flat buffer, and the span of the buffer their masters
+        fill without a gap, if they do ([Note: masters to the device in one copy])."""
+        chosen = [
+            member for member in members if member.spec.local_numel and id(member.parameter) in self._master_offset
+        ]
+        masters = [self._master_of[id(member.parameter)] for member in chosen]
+        placed = sorted((self._master_offset[id(member.parameter)], member.spec.local_numel) for member in chosen)
+        if not placed:
+            return _Publication(chosen, masters, None)
+        start = end = placed[0][0]
+        for offset, numel in placed:
+            if offset != end:
+                return _Publication(chosen, masters, None)  # a gap: each master is copied alone
+            end += numel
+        return _Publication(chosen, masters, (start, end))
+
+    def _publications_after_step(self) -> list[_Publication]:
+        """What a whole step writes into the parameters: every master at once, where no staging is needed (masters
+        beside the parameters) or the staging buffer holds them all (stage 2's accumulator); else bucket by bucket."""
+        if self.master_buffer is None:
+            return []
+        if not self._stages_masters or isinstance(self.reducer, Stage2Reducer):
+            return [self._publication(self.members)]
+        return [self._bucket_publications[id(bucket)] for bucket in self.reducer.buckets]
 
     def _build_reducer(self) -> GradientReducer:
         """The reducer of the configured stage (the one place the stage is looked at)."""
@@ -439,12 +486,57 @@ class ZeroEngine(EngineDiskTier):
     def _masters_into_parameters(self, bucket: Bucket) -> None:
         """Separate masters only: write a stepped bucket's masters into this rank's rows of its parameters (masters
         on disk reached them during their record's step)."""
-        if self.master_buffer is None:
+        self._publish(self._bucket_publications[id(bucket)])
+
+    def _publish(self, publication: _Publication) -> None:
+        """Write the masters of ``publication`` into this rank's rows of their parameters.
+
+        [Note: masters to the device in one copy]
+        Offloaded masters step on the host, and after every step they must reach this rank's rows of the parameters
+        on the device. Copied one master at a time, that was one host-to-device transfer launched per parameter tensor
+        per step (53 on the 4-block demo GPT; low-precision parameters add a conversion kernel each). Instead the
+        masters go over in one copy of their span of the flat master buffer (pinned beside a GPU:
+        ``devices.host_buffer``, so the copy is asynchronous) into a flat fp32 buffer on the device laid out the same
+        way, and one foreach copy on the device writes (and rounds) them into the rows. A whole step makes one such copy under stage 2; with the
+        exchange overlapped with the step ([Note: exchange overlapped with the step] in ``exchange.py``), one per
+        bucket, as each bucket's rows must be in place before its exchange starts. Whether a bucket's masters fill
+        one span without a gap is decided once, at construction; those that do not are copied one at a time, as is a
+        bucket of one parameter (staged, it would take two kernels for one copy).
+
+        The device buffer costs no memory under stage 2: it is the fp32 gradient accumulator, whose rows went to the
+        host gradients before the step (``_attach_master_gradients``) and which ``after_step`` zeroes right after.
+        Stage 1 has no such buffer on the device and takes one bucket's room from the reducer's pool, bucket by
+        bucket. The values are the masters' exactly: each element is copied once, then rounded once to the
+        parameter's dtype, as the direct copy did (bit for bit: the offload oracle tests). Separate masters on the
+        device (low-precision parameters without offload) need no staging: one foreach copy writes them.
+        Loading a checkpoint (``masters_to_parameters``) still copies one master at a time: it must not overwrite
+        the accumulator between steps, and it runs once per load, not per step.
+        """
+        if not publication.members:
             return
-        for member in bucket.members:
-            master = self._master_of[id(member.parameter)]
-            if not self._on_disk(master):
-                devices.copy_into(_owned_rows(member.parameter.data, member), master)
+        rows = [_owned_rows(member.parameter.data, member) for member in publication.members]
+        if not self._stages_masters:
+            torch._foreach_copy_(rows, publication.masters)  # beside the parameters: on the device already
+            return
+        if publication.span is None or len(publication.members) == 1:  # alone, staging would add a kernel
+            devices.copy_all(list(zip(rows, publication.masters, strict=True)))
+            return
+        start, end = publication.span
+        # Stage 2: the accumulator, at the masters' own offsets; stage 1: a pooled buffer, from the span's start.
+        pooled = not isinstance(self.reducer, Stage2Reducer)
+        if isinstance(self.reducer, Stage2Reducer):
+            staging, base = self.reducer.accumulator, 0
+        else:
+            staging, base = self.reducer.acquire(torch.float32, self._largest_span), start
+        assert self.master_buffer is not None
+        devices.copy_into(staging[start - base : end - base], self.master_buffer[start:end])
+        sources = []
+        for member in publication.members:
+            offset = self._master_offset[id(member.parameter)] - base
+            sources.append(staging[offset : offset + member.spec.local_numel].view(member.spec.local_shape))
+        torch._foreach_copy_(rows, sources)
+        if pooled:
+            self.reducer.release(staging)  # reused in stream order: its next copy is queued after this one's reads
 
     def after_step(self, stepped: bool) -> None:
         """Publish the step's result to every replica (unless ``step_optimizer`` already did), then clear gradients
@@ -453,11 +545,9 @@ class ZeroEngine(EngineDiskTier):
         self._masters_with_gradients = []
         if stepped and not exchanged:
             with torch.no_grad():
-                if self.master_buffer is not None:
-                    # Masters on disk reached the parameters during their record's step (``_record_into_parameters``).
-                    for member, master in zip(self.members, self.masters, strict=True):
-                        if not self._on_disk(master):
-                            devices.copy_into(_owned_rows(member.parameter.data, member), master)
+                # Masters on disk reached the parameters during their record's step (``_record_into_parameters``).
+                for publication in self._step_publications:
+                    self._publish(publication)
                 self.sync_parameters()
         # Not the host buffer of offloaded master gradients: the next reduction overwrites the rows of every parameter
         # that got a gradient, and the others' masters get no ``.grad`` (a memset of 4 bytes per owned element per step,

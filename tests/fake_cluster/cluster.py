@@ -11,7 +11,9 @@ What it is made of, and why each piece:
   "no overflow", "every parameter got a gradient", so the engines go down their ordinary path. It also counts, in
   ``DeviceWork``, what each operation would make a real GPU's host wait for and the kernels it would launch.
 - ``FakeRuntime`` replaces the real device runtime in ``lightning_colossal.distributed.device``: the engines' one
-  door to ``torch.cuda`` ([Note: copies between host and device] there).
+  door to ``torch.cuda`` ([Note: copies between host and device] there). This build cannot pin host memory, so the
+  tier remembers which host tensors a real GPU's runtime would have pinned (``PinnedOnAGpu``): what
+  ``device.host_buffer`` hands out beside a GPU, and what ``device.to_host`` returns.
 - ``CollectiveRecorder`` replaces torch.distributed's collectives: torch's own functions ask the CUDA driver about
   the device (``broadcast`` reads the compute capability), which this build has not got, and the fake backend
   accepts tensors of any device. The recorder checks what NCCL checks, that every tensor handed to a group is on
@@ -26,6 +28,7 @@ tensor's values, CUDA streams and events, and NCCL's own ordering rules across c
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -56,18 +59,21 @@ class DeviceWork:
       queue to drain, then copies the value back.
     - ``scalar_writes``: a Python number (or host tensor) written into elements of a device tensor
       (``flags[i] = 1.0``): torch makes the number a host tensor and copies it over synchronously.
-    - ``host_to_device_copies``: copies from host memory onto the device. This tier cannot pin (``FakeRuntime``), and
-      from pageable memory CUDA synchronises the stream before the copy starts, so each is a wait.
+    - ``host_to_device_copies``: copies from host memory onto the device that the host waits for: from pageable
+      memory (CUDA synchronises the stream before the copy starts), or blocking (``non_blocking=False``).
+    - ``pinned_host_to_device_copies``: asynchronous copies from host memory a GPU would have pinned
+      (``PinnedOnAGpu``): no wait, but a transfer launched each.
     - ``device_to_host_copies``: copies the other way (their wait is the synchronisation that follows them, below).
     - ``synchronizations``: waits for the device through ``distributed/device.py``.
     - ``data_dependent_shapes``: operations whose output shape depends on values (``nonzero``, boolean masks): the
       host must read the values to allocate the output.
-    - ``kernels``: device operations that are not views.
+    - ``kernels``: device operations that are not views (a foreach operation over many tensors counts once).
     """
 
     scalar_reads: int = 0
     scalar_writes: int = 0
     host_to_device_copies: int = 0
+    pinned_host_to_device_copies: int = 0
     device_to_host_copies: int = 0
     synchronizations: int = 0
     data_dependent_shapes: int = 0
@@ -120,7 +126,13 @@ class Scalars(TorchDispatchMode):
             if args[0].device.type == "cuda":
                 self.work.scalar_reads += 1
             return True if args[0].dtype == torch.bool else 0
-        flat = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
+        # Foreach operations take lists of tensors.
+        flat = [
+            item
+            for value in (*args, *kwargs.values())
+            for item in (value if isinstance(value, list | tuple) else (value,))
+            if isinstance(item, torch.Tensor)
+        ]
         if any(_on_device(value) for value in flat):
             if func in _DATA_DEPENDENT:
                 self.work.data_dependent_shapes += 1
@@ -268,6 +280,41 @@ class CollectiveRecorder:
         ]
 
 
+class PinnedOnAGpu:
+    """The host tensors a real GPU's runtime would have pinned, and their views: this build cannot pin (``FakeRuntime``),
+    so ``device.host_buffer`` (beside a GPU) and ``device.to_host`` are wrapped to remember what they hand out."""
+
+    def __init__(self) -> None:
+        self._roots: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._roots[id(tensor)] = weakref.ref(tensor)
+        return tensor
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        root = tensor._base if tensor._base is not None else tensor
+        known = self._roots.get(id(root))
+        return known is not None and known() is root
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        host_buffer, to_host = devices.host_buffer, devices.to_host
+
+        def pinned_host_buffer(numel: int, dtype: torch.dtype, beside: torch.device, zeroed: bool = False) -> Any:
+            buffer = host_buffer(numel, dtype, beside, zeroed)
+            return self.add(buffer) if devices.is_accelerator(beside) else buffer
+
+        def pinned_to_host(tensor: torch.Tensor) -> torch.Tensor:
+            moved = to_host(tensor)
+            return self.add(moved) if moved is not tensor else moved
+
+        devices.host_buffer, devices.to_host = pinned_host_buffer, pinned_to_host  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            devices.host_buffer, devices.to_host = host_buffer, to_host  # type: ignore[assignment]
+
+
 def _basic_view(tensor: torch.Tensor, index: Any) -> torch.Tensor | None:
     """``tensor[index]`` through ``narrow``/``select`` for ints, unit-step slices and ``...``; ``None`` otherwise."""
     items = index if isinstance(index, tuple) else (index,)
@@ -293,10 +340,11 @@ def _basic_view(tensor: torch.Tensor, index: Any) -> torch.Tensor | None:
 
 
 @contextmanager
-def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
+def _cuda_tensor_methods(work: DeviceWork, pinned: PinnedOnAGpu) -> Iterator[None]:
     """What this CPU build cannot do with fake CUDA tensors, done at the Python level: basic indexing (``__getitem__``
     asks for CUDA support; the same view through ``narrow``/``select`` is a plain view op), and copies into or onto
-    the device (``copy_``, ``to``), which become shape-checked allocations."""
+    the device (``copy_``, ``to``), which become shape-checked allocations, counted as a wait or, asynchronous from
+    memory a GPU would have pinned, as a pinned copy."""
     get_item, set_item = torch.Tensor.__getitem__, torch.Tensor.__setitem__
 
     def getitem(tensor: torch.Tensor, index: Any) -> Any:
@@ -318,6 +366,12 @@ def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
 
     copy, to, tolist = torch.Tensor.copy_, torch.Tensor.to, FakeTensor.tolist
 
+    def count_host_to_device(source: torch.Tensor, non_blocking: bool) -> None:
+        if non_blocking and source in pinned:
+            work.pinned_host_to_device_copies += 1
+        else:
+            work.host_to_device_copies += 1
+
     def tolist_(tensor: torch.Tensor) -> Any:
         # One read, as on a GPU (one copy back, one wait), where fake tensors would read element by element.
         if tensor.device.type == "cuda":
@@ -334,7 +388,7 @@ def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
             torch.broadcast_shapes(target.shape, source.shape)
             work.kernels += 1
             if not _on_device(source):
-                work.host_to_device_copies += 1
+                count_host_to_device(source, non_blocking)
             return target
         return copy(target, source, non_blocking=non_blocking)
 
@@ -346,7 +400,8 @@ def _cuda_tensor_methods(work: DeviceWork) -> Iterator[None]:
                 return tensor
             work.kernels += 1
             if tensor.device.type != "cuda":
-                work.host_to_device_copies += 1
+                positional = next((arg for arg in args if isinstance(arg, bool)), False)
+                count_host_to_device(tensor, bool(kwargs.get("non_blocking", positional)))
             return torch.empty(tensor.shape, dtype=dtype, device="cuda")
         return to(tensor, *args, **kwargs)
 
@@ -410,7 +465,9 @@ def fake_cluster(world_size: int, rank: int = 0) -> Iterator[FakeCluster]:
             stack.enter_context(collectives.declared_backend_devices("fake", ("cuda",)))
             stack.enter_context(devices.substituted(runtime))
             work = DeviceWork()
-            stack.enter_context(_cuda_tensor_methods(work))
+            pinned = PinnedOnAGpu()
+            stack.enter_context(pinned.recording())
+            stack.enter_context(_cuda_tensor_methods(work, pinned))
             stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             stack.enter_context(Scalars(work))
             yield FakeCluster(world_size, rank, recorder, runtime, work)

@@ -4,7 +4,8 @@ On CPU a copy is free and a scalar read costs nothing, so no CPU step time shows
 drains the device's queue. The tests drive ZeRO and Gemini through a backward (the gradient hooks) and an optimizer
 step as one rank of 8 fake GPUs, on a GPT of 2 and of 4 blocks, and check that the waits do not grow with the
 number of parameters: a wait per parameter (a flag written into a device tensor per gradient, once 2 x 49 of them
-on these models) is a wait per parameter tensor per step on a GPU.
+on these models) is a wait per parameter tensor per step on a GPU. Gemini also runs one forward first, whose hooks
+gather the chunks in rounds that every rank enters together (hooks.py [Note: gathering in rounds]).
 
 ``python -m tests.fake_cluster.test_device_waits`` prints the counts per step for each mode.
 """
@@ -27,10 +28,11 @@ from lightning_colossal.zero import ZeroEngine
 from tests.fake_cluster.cluster import DeviceWork, fake_cluster, materialise, run_backward_hooks
 
 WORLD_SIZE = 8
+SEQUENCE = 16  # tokens per sequence, the GPT's block size
 
 
 def _gpt(blocks: int) -> GPT:
-    return GPT(GPTConfig(vocab_size=64, block_size=16, num_layers=blocks, num_heads=2, embed_dim=32)).to("meta")
+    return GPT(GPTConfig(vocab_size=64, block_size=SEQUENCE, num_layers=blocks, num_heads=2, embed_dim=32)).to("meta")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,10 @@ class StepWork:
     parameters: int
     backward: DeviceWork
     step: DeviceWork
+    forward: DeviceWork | None = None  # Gemini's: its hooks gather the chunks in rounds (ZeRO's forward has no hooks)
+    gather_rounds: int = 0  # the forward's rounds, each one vote over which chunks to gather (at 8 ranks)
+    chunks: int = 0  # Gemini's
+    buckets: int = 0  # ZeRO's buckets that hold rows of this rank
 
 
 def _sgd(parameters: Any) -> torch.optim.Optimizer:
@@ -50,13 +56,14 @@ def zero_step(
     cpu_offload: bool,
     make_optimizer: Callable[[Any], Any] = _sgd,
     world_size: int = WORLD_SIZE,
+    bucket_size_mb: float = 0.0001,  # 100 bytes: most parameters get a bucket of their own
 ) -> StepWork:
     model_on_meta = _gpt(blocks)
     with fake_cluster(world_size, rank=world_size - 1) as cluster:
         mesh = DeviceMesh("cuda", list(range(world_size)))
         model = materialise(model_on_meta, "cuda")
         optimizer = make_optimizer(model.parameters())
-        config = ZeroConfig(stage=stage, cpu_offload=cpu_offload, bucket_size_mb=0.0001)
+        config = ZeroConfig(stage=stage, cpu_offload=cpu_offload, bucket_size_mb=bucket_size_mb)
         engine = ZeroEngine(model, optimizer, config, mesh, cluster.device)
         start = cluster.device_work()
         run_backward_hooks(model)
@@ -64,7 +71,10 @@ def zero_step(
         engine.step_optimizer(optimizer)
         engine.after_step(stepped=True)
         end = cluster.device_work()
-        return StepWork(len(list(model.parameters())), after_backward.since(start), end.since(after_backward))
+        buckets = sum(any(member.spec.local_numel for member in bucket.members) for bucket in engine.reducer.buckets)
+        return StepWork(
+            len(list(model.parameters())), after_backward.since(start), end.since(after_backward), buckets=buckets
+        )
 
 
 def gemini_step(
@@ -82,7 +92,16 @@ def gemini_step(
             model, optimizer, GeminiConfig(placement=placement, chunk_numel=8192), mesh, cluster.device
         )
         manager = engine.manager
-        for chunk in manager.chunks:  # what the forward hooks do
+        tokens = torch.zeros((2, SEQUENCE), dtype=torch.long, device="cuda")
+        votes_before = _votes(cluster, engine.vote_group)
+        before_forward = cluster.device_work()
+        # Without autograd: on fake CUDA tensors it aborts in C++ (a CUDA device guard this build has not got). The
+        # hooks gather the same chunks in the same rounds either way; they only leave out the hooks waiting for backward.
+        with torch.no_grad():
+            model(tokens)
+        forward = cluster.device_work().since(before_forward)
+        rounds = _votes(cluster, engine.vote_group) - votes_before
+        for chunk in manager.chunks:  # what the backward hooks would gather (they do not run here)
             manager.gather(chunk)
         start = cluster.device_work()
         run_backward_hooks(model)
@@ -90,7 +109,21 @@ def gemini_step(
         engine.step_optimizer(optimizer)  # as the strategy steps it
         engine.after_step(stepped=True)
         end = cluster.device_work()
-        return StepWork(len(list(model.parameters())), after_backward.since(start), end.since(after_backward))
+        return StepWork(
+            len(list(model.parameters())),
+            after_backward.since(start),
+            end.since(after_backward),
+            forward,
+            rounds,
+            len(manager.chunks),
+        )
+
+
+def _votes(cluster: Any, vote_group: Any) -> int:
+    """The all-reduces on the host group of votes so far (0 at one rank, where there is none)."""
+    if vote_group is None:
+        return 0
+    return sum(1 for call in cluster.recorder.calls if call.name == "all_reduce" and call.group_id == id(vote_group))
 
 
 MODES = {
@@ -170,8 +203,52 @@ def test_one_rank_backward_launches_one_kernel_per_gradient(mode):
     per_parameter = 1
     for blocks in (2, 4):
         work = counted(mode, blocks)
-        chunks_or_buckets = 8  # the foreach folds and end-of-backward work, a few per step whatever the model
-        assert work.backward.kernels <= per_parameter * work.parameters + chunks_or_buckets, (blocks, work.backward)
+        # Gemini's foreach fold per chunk, and end-of-backward work, a few per step whatever the model.
+        folds = work.chunks + 8
+        assert work.backward.kernels <= per_parameter * work.parameters + folds, (blocks, work.backward)
+
+
+#: Offloaded ZeRO runs whose step copies the masters to the device: one copy per step, or per bucket.
+MASTER_COPIES = {
+    "zero2_offload_one_rank": lambda blocks: counted("zero2_offload_one_rank", blocks),
+    "zero2_offload": lambda blocks: counted("zero2_offload", blocks),
+    # Stage 1's 100-byte buckets hold a parameter each (full gradients): 10 KiB ones, a few parameters each.
+    "zero1_offload_10k_buckets": lambda blocks: zero_step(blocks, 1, True, bucket_size_mb=0.01),
+}
+
+
+@pytest.mark.parametrize("mode", list(MASTER_COPIES))
+def test_offloaded_masters_reach_the_device_in_one_pinned_copy_per_step_or_bucket(mode):
+    """After the host step the offloaded masters go to the device in one copy of their span of the pinned flat
+    buffer, then one foreach copy on the device writes them into the parameters' rows (engine.py [Note: masters to
+    the device in one copy]). One copy per parameter before: 53 (29) per step. At one rank stage 2 publishes them
+    all at once after the step; at 8 ranks the exchange overlaps the step and each bucket's rows go over as it
+    stepped, one copy per bucket (stage 2's 100-byte buckets hold 1 to 4 parameters' rows here: 19 (11) buckets)."""
+    for blocks in (2, 4):
+        work = MASTER_COPIES[mode](blocks)
+        copies = work.step.host_to_device_copies + work.step.pinned_host_to_device_copies
+        expected = 1 if mode.endswith("one_rank") else work.buckets
+        assert copies == expected < work.parameters, (blocks, work.buckets, work.step)
+        # From the pinned master buffer (devices.host_buffer beside the GPU), asynchronously: no wait.
+        assert work.step.waits == 0, (blocks, work.step)
+
+
+#: Gemini's forward at 8 ranks: no wait. Each round's vote goes over the host group (collectives.py [Note: votes on
+#: the host]); the gathers run on the device's group; an offloaded chunk's shard comes to the device asynchronously
+#: from pinned memory, one copy per chunk.
+FORWARD_PINNED_COPIES_PER_CHUNK = {"gemini": 0, "gemini_offload": 1}
+
+
+@pytest.mark.parametrize("mode", list(FORWARD_PINNED_COPIES_PER_CHUNK))
+def test_a_gemini_forward_waits_for_nothing_in_its_gather_rounds(mode):
+    for blocks in (2, 4):
+        work = counted(mode, blocks)
+        assert work.forward is not None
+        # A round per chunk as the blocks reach it (each asks for the next one), and the round that ends the forward.
+        assert work.gather_rounds == work.chunks + 1, (blocks, work.gather_rounds, work.chunks)
+        assert work.forward.waits == 0, (blocks, work.forward)
+        pinned = FORWARD_PINNED_COPIES_PER_CHUNK[mode] * work.chunks
+        assert work.forward.pinned_host_to_device_copies == pinned, (blocks, work.forward)
 
 
 if __name__ == "__main__":
@@ -179,6 +256,8 @@ if __name__ == "__main__":
         for blocks in (2, 4):
             work = run(blocks)
             print(f"{name:16s} {work.parameters:3d} parameters  backward {work.backward}  step {work.step}")
+            if work.forward is not None:
+                print(f"{'':16s} forward, {work.gather_rounds} gather rounds: {work.forward}")
 
 
 def vote_work(world_size: int, precision: str, offloaded: bool) -> DeviceWork:
