@@ -29,15 +29,13 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_colossal.distributed import group_cache
 from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.fabric import checkpoints
+from lightning_colossal.fabric.launcher import FabricNotebookLauncher, FabricScriptLauncher, install_failure_hook
 from lightning_colossal.fabric.precision import FabricPrecision, to_fabric_precision
 from lightning_colossal.precision import LocalGradientClipper
-from lightning_colossal.strategies._lightning_private import (
-    _BackwardSyncControl,
-    _FabricMultiProcessingLauncher,
-    _FabricSubprocessScriptLauncher,
-)
+from lightning_colossal.strategies._lightning_private import _BackwardSyncControl
 from lightning_colossal.strategies.base import ColossalStrategy
 
 
@@ -150,11 +148,9 @@ class ColossalFabricStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self.mode._start_method == "popen":
-            self._launcher = _FabricSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
+            self._launcher = FabricScriptLauncher(self)
         else:
-            self._launcher = _FabricMultiProcessingLauncher(self, start_method=self.mode._start_method)
+            self._launcher = FabricNotebookLauncher(self, self.mode._start_method)
 
     def _set_world_ranks(self) -> None:
         self.mode.set_world_ranks()
@@ -169,7 +165,17 @@ class ColossalFabricStrategy(ParallelStrategy):
             plugin.on_nonfinite = self.mode._on_nonfinite
         if not self._stops_at_exit:
             atexit.register(self._stop_at_exit)
+            install_failure_hook(self)  # fabric/launcher.py [Note: failures in a Fabric loop]
             self._stops_at_exit = True
+
+    def report_failure(self, error: Exception) -> None:
+        """Add to ``error`` where it left this rank's run, and the watchdog's word on a peer that stopped, once
+        (fabric/launcher.py [Note: failures in a Fabric loop])."""
+        if getattr(error, "_lightning_colossal_reported", False):
+            return
+        error._lightning_colossal_reported = True  # type: ignore[attr-defined]
+        group_cache.run_ended(cleanly=False)
+        self.mode._annotate_failure(error)
 
     def _stop_at_exit(self) -> None:
         # Fabric never calls teardown(): stop the heartbeat cleanly, so peers still finishing read it as an exit.

@@ -11,18 +11,18 @@ To add one: import it below with its reason, add it to ``__all__``, and to ``PRI
 
 from __future__ import annotations
 
+# Fabric's own launchers, subclassed for the Fabric strategies (fabric/launcher.py): the multiprocessing one (spawn,
+# fork for notebooks) here, the popen one (scripts, torchrun, SLURM) below. Fabric has no public way to reuse them;
+# constructed with (strategy, start method) and (cluster environment, processes per node, nodes) in 2.5.0 and 2.6.6.
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _FabricMultiProcessingLauncher,
+)
+
 # The popen launcher's thread in rank 0's process that SIGKILLs every rank (itself included) within 5 s of a child
 # rank exiting with an error; launcher.py finds it among the threads to say which rank died before that happens
 # (rank 0 may not reach a collective, and so never print our own report, before it is killed). Its attributes
 # `_child_processes` and `_terminate_all` are used; both exist with these names in 2.5.0 and 2.6.6.
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
-
-# Fabric's own launchers, for the Fabric strategies (fabric/strategy.py): popen for scripts, torchrun and SLURM, and
-# the multiprocessing one (spawn, fork for notebooks). Fabric has no public way to reuse them; constructed with
-# (cluster environment, processes per node, nodes) and (strategy, start method) in 2.5.0 and 2.6.6.
-from lightning.fabric.strategies.launchers.multiprocessing import (
-    _MultiProcessingLauncher as _FabricMultiProcessingLauncher,
-)
 from lightning.fabric.strategies.launchers.subprocess_script import (
     _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
 )

@@ -35,15 +35,8 @@ class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
     """``_MultiProcessingLauncher`` whose rank 0 returns the full, unsharded weights (see the module docstring)."""
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        if self._start_method == "fork" and torch.get_num_threads() > 1:
-            rank_zero_warn(
-                f"This process runs {torch.get_num_threads()} PyTorch threads, and OpenMP threads do not survive"
-                " fork: the forked ranks run one thread each (more would hang). For faster ranks, call"
-                " `torch.set_num_threads(1)` at the top of the notebook, before any PyTorch work, and restart the"
-                " kernel if it already ran some. See [Note: OpenMP threads and fork] in"
-                " lightning_colossal.strategies.launcher."
-            )
-            function = _single_threaded(function)
+        if self._start_method == "fork":
+            function = single_threaded_after_fork(function)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
@@ -79,6 +72,21 @@ class FullWeightsMultiProcessingLauncher(_MultiProcessingLauncher):
         for logger, version in zip(trainer.loggers, extra.get("logger_versions", []), strict=False):
             if hasattr(logger, "_version"):
                 logger._version = version
+
+
+def single_threaded_after_fork(function: Callable) -> Callable:
+    """``function`` as forked ranks must run it: with one PyTorch thread when this process runs several
+    ([Note: OpenMP threads and fork]); the user is told how to get more."""
+    if torch.get_num_threads() <= 1:
+        return function
+    rank_zero_warn(
+        f"This process runs {torch.get_num_threads()} PyTorch threads, and OpenMP threads do not survive"
+        " fork: the forked ranks run one thread each (more would hang). For faster ranks, call"
+        " `torch.set_num_threads(1)` at the top of the notebook, before any PyTorch work, and restart the"
+        " kernel if it already ran some. See [Note: OpenMP threads and fork] in"
+        " lightning_colossal.strategies.launcher."
+    )
+    return _single_threaded(function)
 
 
 def _single_threaded(function: Callable) -> Callable:
