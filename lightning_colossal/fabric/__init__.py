@@ -8,29 +8,16 @@ and ``docs/fabric.md``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_colossal.fabric.modes import (
     FABRIC_STRATEGIES,
     FabricDDPStrategy,
     FabricFSDPStrategy,
     FabricGeminiStrategy,
+    FabricHybridStrategy,
     FabricZeroStrategy,
 )
 from lightning_colossal.fabric.precision import FabricPrecision
 from lightning_colossal.fabric.strategy import ColossalFabricStrategy
-
-
-class FabricHybridRefusal:
-    """``colossal_hybrid`` under Fabric: refused with the reason when the strategy is built."""
-
-    def __init__(self, **arguments: Any) -> None:
-        raise ValueError(
-            "colossal_hybrid has no Fabric strategy: its pipeline schedule replaces the training step, which a Fabric"
-            " loop writes itself, and tensor parallelism's loss needs a context around the loop's own loss code. Use"
-            " `Trainer(strategy='colossal_hybrid', ...)`, or under Fabric one of colossal_zero1/2, colossal_gemini,"
-            " colossal_fsdp or colossal_ddp."
-        )
 
 
 def register_fabric_strategies() -> None:
@@ -49,11 +36,6 @@ def register_fabric_strategies() -> None:
                     start_method=start_method,
                     **init_params,
                 )
-    for suffix in ("", "_notebook"):
-        if "colossal_hybrid" + suffix not in STRATEGY_REGISTRY:
-            STRATEGY_REGISTRY.register(
-                "colossal_hybrid" + suffix, FabricHybridRefusal, description="refused under Fabric (see the message)"
-            )
 
 
 __all__ = [
@@ -61,6 +43,7 @@ __all__ = [
     "FabricDDPStrategy",
     "FabricFSDPStrategy",
     "FabricGeminiStrategy",
+    "FabricHybridStrategy",
     "FabricPrecision",
     "FabricZeroStrategy",
     "register_fabric_strategies",

@@ -13,14 +13,14 @@ Fabric strategy        names                       what it adds
                        ``colossal_fsdp_offload``   that points at the sharded parameters; unused gradients tracked
 =====================  ==========================  ================================================================
 
-Hybrid parallelism has no Fabric strategy yet: its pipeline schedule replaces the training step, which a Fabric loop
-writes itself, and its tensor-parallel loss needs a context around the user's loss code.
+``FabricHybridStrategy`` (``colossal_hybrid``) takes tensor, sequence, expert and data parallelism; pipelines are
+refused ([Note: tensor parallelism in a hand-written loop]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from torch import Tensor
@@ -29,12 +29,15 @@ from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
+from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.fabric.strategy import ColossalFabricStrategy
 from lightning_colossal.fsdp import UnusedGradientTracker, include_unused_parameters_in_reduction
 from lightning_colossal.strategies._lightning_private import _optimizers_to_device
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
 from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
 from lightning_colossal.strategies.gemini import GeminiStrategy
+from lightning_colossal.strategies.hybrid import HybridParallelStrategy
+from lightning_colossal.strategies.hybrid_module import plain
 from lightning_colossal.strategies.zero import ZeroStrategy
 
 
@@ -221,27 +224,6 @@ class FabricFSDPStrategy(ColossalFabricStrategy):
         self.mode._gradient_tracker = UnusedGradientTracker(module, torch_reduces_unused, vote_group=vote_group)
         return module
 
-    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
-        # An optimizer made before the module was sharded (`fabric.setup(model, optimizer)`) holds the parameters
-        # FSDP2 replaced: point it at the sharded ones, by name.
-        assert self._module is not None
-        sharded = dict(self._module.named_parameters())
-        names = self.mode._names_before_sharding
-        for group in optimizer.param_groups:
-            replaced = []
-            for parameter in group["params"]:
-                name = names.get(id(parameter))
-                if name is not None and name in sharded and sharded[name] is not parameter:
-                    if optimizer.state.get(parameter):
-                        raise ValueError(
-                            "The optimizer already holds state for the unsharded parameters: set up the model and"
-                            " optimizer before the first step."
-                        )
-                    parameter = sharded[name]
-                replaced.append(parameter)
-            group["params"] = replaced
-        return optimizer
-
     def before_backward(self, loss: Tensor) -> Tensor:
         tracker = self.mode._gradient_tracker
         if tracker is None:
@@ -255,6 +237,98 @@ class FabricFSDPStrategy(ColossalFabricStrategy):
             tracker.after_synchronising_backward()
 
 
+class FabricHybridStrategy(ColossalFabricStrategy):
+    """``colossal_hybrid`` for Fabric: tensor, sequence, expert and data parallelism (ZeRO on the data axis), without
+    pipelines.
+
+    [Note: tensor parallelism in a hand-written loop]
+    Under the Trainer the strategy runs the whole training step, and so the loss, inside ``loss_parallel``, where a
+    vocabulary-parallel head's logits stay sharded and cross-entropy never gathers them. A Fabric loop computes its
+    loss in its own code, so by default the model returns whole plain logits (gathered differentiably: correct for any
+    loss code, at the cost of the whole logits on every tensor-parallel rank), and DTensor outputs are made plain. To
+    keep the logits sharded, compute the loss and call ``fabric.backward`` inside ``fabric.strategy.loss_parallel()``,
+    which is the Trainer's context. Under sequence parallelism every rank reads its share of each sequence: pass each
+    batch through ``fabric.strategy.split_batch(batch)`` (every ``[batch, sequence, ...]`` tensor, labels included, as
+    the Trainer splits it). Pipelines are refused: their schedule replaces the training step, which a Fabric loop
+    writes itself.
+    """
+
+    trainer_strategy = HybridParallelStrategy
+    mode: HybridParallelStrategy
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.mode.pipelined:
+            raise ValueError(
+                f"colossal_hybrid with pp_size={self.mode.hybrid_config.pp_size} under Fabric: a pipeline schedule"
+                " replaces the training step, which a Fabric loop writes itself. Use `Trainer(strategy=...)` for"
+                " pipelines, or pp_size=1 here (tensor, sequence, expert and data parallelism)."
+            )
+        self._loss_parallel = False
+
+    def _prepare_model(self, module: Module) -> Module:
+        engine = self.mode._parallelise_module(module)
+        self.mode.engines = [engine]
+        # The split pruned nothing here (no pipeline), but norm layers are listed after it, as the Trainer does.
+        self.mode._running_statistics = modules_with_running_statistics(module)
+        return module
+
+    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        if self.mode.optimizers:
+            raise ValueError(
+                "colossal_hybrid shards exactly one optimizer. Put all parameters into one optimizer with one param"
+                " group per setting."
+            )
+        optimizer = super()._take_optimizer(optimizer, joint)
+        engine = self.mode.engine
+        assert engine is not None
+        self.mode._record_held_frozen([optimizer])
+        engine.attach_optimizer(optimizer)
+        self.mode._fitted_engines = [engine]
+        self.mode._group_counts = self.mode._optimizer_group_counts()
+        self.mode._wire_precision_plugin()
+        return optimizer
+
+    @contextmanager
+    def loss_parallel(self) -> Generator[None, None, None]:
+        """Inside: the model returns vocabulary-sharded logits and the loss computed from them stays sharded;
+        compute the loss and call ``fabric.backward`` inside ([Note: tensor parallelism in a hand-written loop])."""
+        engine = self.mode.engine
+        assert engine is not None, "set up the model first"
+        self._loss_parallel = True
+        try:
+            with engine.loss_context():
+                yield
+        finally:
+            self._loss_parallel = False
+
+    def split_batch(self, batch: Any) -> Any:
+        """This sequence-parallel rank's share of every ``[batch, sequence, ...]`` tensor of ``batch`` (the batch
+        itself without sequence parallelism)."""
+        return self.mode._with_split_batch((batch,))[0]
+
+    @contextmanager
+    def forward_context(self, module: Module) -> Generator[None, None, None]:
+        engine = self.mode.engine
+        assert engine is not None
+        with super().forward_context(module), nullcontext() if self._loss_parallel else engine.whole_logits():
+            yield
+
+    def convert_output(self, output: Any) -> Any:
+        return output if self._loss_parallel else plain(output)
+
+    def after_backward(self, loss: Tensor) -> None:
+        if self.mode.engine is not None:
+            self.mode.engine.after_backward()
+
+    def before_backward(self, loss: Tensor) -> Tensor:
+        if self.mode.engines:
+            self.mode._take_over_joined_parameters()  # refused with the fix: hybrid lays its parameters out once
+        # A loss computed under loss_parallel is a replicated DTensor: its own value, plain (differentiably), as the
+        # Trainer makes a step's outputs, so the precision plugin's checks see an ordinary tensor.
+        return plain(loss)
+
+
 def _parameters(optimizer: Optimizer) -> list[Any]:
     return [parameter for group in optimizer.param_groups for parameter in group["params"]]
 
@@ -265,6 +339,7 @@ FABRIC_STRATEGIES: tuple[type[ColossalFabricStrategy], ...] = (
     FabricZeroStrategy,
     FabricGeminiStrategy,
     FabricFSDPStrategy,
+    FabricHybridStrategy,
 )
 
 __all__ = [
@@ -272,5 +347,6 @@ __all__ = [
     "FabricDDPStrategy",
     "FabricFSDPStrategy",
     "FabricGeminiStrategy",
+    "FabricHybridStrategy",
     "FabricZeroStrategy",
 ]

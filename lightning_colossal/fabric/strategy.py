@@ -75,6 +75,7 @@ class ColossalFabricStrategy(ParallelStrategy):
         )
         self._module: Module | None = None  # the user's module, once set up
         self._wrapped: Module | None = None  # what Fabric calls forward on
+        self._names_before_setup: dict[int, str] = {}
         self._backward_sync_control = _SkipGradientSync(self)
         self._stops_at_exit = False
 
@@ -230,6 +231,7 @@ class ColossalFabricStrategy(ParallelStrategy):
             [] if self.mode.wrapper_syncs_buffers else modules_with_running_statistics(module)
         )
         self._module = module
+        self._names_before_setup = {id(parameter): name for name, parameter in module.named_parameters()}
         # The mode's own wrapper (DDP) or the module itself, as the Trainer strategy holds it (engines name optimizer
         # state and masters after it); Fabric calls forward on the contexts around it.
         self.mode.model = self._prepare_model(module)
@@ -242,6 +244,7 @@ class ColossalFabricStrategy(ParallelStrategy):
     def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
         if self._module is None:
             raise RuntimeError("Set up the model before its optimizer: `fabric.setup_module(model)` first.")
+        self._point_at_set_up_parameters(optimizer)
         optimizer = self._adopt_optimizer(optimizer, joint)
         self.mode.optimizers = [*self.mode.optimizers, optimizer]
         return optimizer
@@ -253,6 +256,26 @@ class ColossalFabricStrategy(ParallelStrategy):
     def is_set_up(self, module: Module) -> bool:
         """Whether ``module`` is the model this strategy set up (as the user built it, or as a wrapper of it)."""
         return any(module is each for each in (self._module, self.mode.model, self._wrapped))
+
+    def _point_at_set_up_parameters(self, optimizer: Optimizer) -> None:
+        """An optimizer made before the model was set up (``fabric.setup(model, optimizer)``) holds the parameters a
+        mode that splits or shards the model replaced (FSDP2's DTensors, tensor-parallel pieces): point it at the
+        set-up ones, by name, as a Trainer's ``configure_optimizers`` (run after the split) would have."""
+        assert self._module is not None
+        current = dict(self._module.named_parameters())
+        for group in optimizer.param_groups:
+            replaced = []
+            for parameter in group["params"]:
+                name = self._names_before_setup.get(id(parameter))
+                if name is not None and name in current and current[name] is not parameter:
+                    if optimizer.state.get(parameter):
+                        raise ValueError(
+                            "The optimizer already holds state for the parameters the model had before set-up: set up"
+                            " the model and the optimizer before the first step."
+                        )
+                    parameter = current[name]
+                replaced.append(parameter)
+            group["params"] = replaced
 
     def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
         """The optimizer the loop steps, once the mode took it over (by default, as it is)."""
@@ -269,6 +292,10 @@ class ColossalFabricStrategy(ParallelStrategy):
 
     def after_forward(self) -> None:
         """After every forward of the set-up model."""
+
+    def convert_output(self, output: Any) -> Any:
+        """What the loop gets from a forward of the set-up model (by default what the model returned)."""
+        return output
 
     # ---------------------------------------------------------------------------------------------- steps
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -382,7 +409,7 @@ class ForwardContexts(Module):
         with strategy.forward_context(self.module):
             output = self.module(*args, **kwargs)
         strategy.after_forward()
-        return output
+        return strategy.convert_output(output)
 
 
 class _SkipGradientSync(_BackwardSyncControl):

@@ -9,6 +9,7 @@ that both sides run the same kernels.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from lightning.pytorch import seed_everything
 from torch import nn
 
 import lightning_colossal  # noqa: F401  (registers the Fabric strategy names)
-from lightning_colossal.fabric import FabricPrecision, FabricZeroStrategy
+from lightning_colossal.fabric import FabricHybridStrategy, FabricPrecision, FabricZeroStrategy
 from tests.distributed.oracle import MODEL_SEED, RegressionModel, _rank_micro_batches, build_optimizer, make_dataset
 from tests.harness.rank_pool import current_rank, current_world_size
 
@@ -80,11 +81,18 @@ def _fabric(strategy: Any, precision: str = "32-true") -> Fabric:
     return fabric
 
 
+def _data_parallel(fabric: Fabric) -> tuple[int, int]:
+    """How many data-parallel replicas read different batches, and which this rank is (tensor-parallel peers read the
+    same)."""
+    sampling = fabric.strategy.distributed_sampler_kwargs
+    return sampling["num_replicas"], sampling["rank"]
+
+
 def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int, accumulate: int, clip_norm: float | None) -> list:
     """The hand-written loop: returns each step's loss, averaged over this rank's micro-batches."""
     inputs, targets = make_dataset().tensors
-    batches = _rank_micro_batches(make_dataset(), current_world_size(), 4)
-    rank = current_rank()
+    replicas, rank = _data_parallel(fabric)
+    batches = _rank_micro_batches(make_dataset(), replicas, 4)
     losses = []
     for _ in range(steps):
         total = 0.0
@@ -102,10 +110,25 @@ def _train(fabric: Fabric, model: Any, optimizer: Any, steps: int, accumulate: i
     return losses
 
 
+def _strategy(strategy: str | tuple[str, dict[str, Any]]) -> Any:
+    """A registered name, or (name, arguments) for a class built here (the pool pickles arguments, not strategies)."""
+    if isinstance(strategy, str):
+        return strategy
+    name, arguments = strategy
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    entry = STRATEGY_REGISTRY[name]
+    return entry["strategy"](**{**entry["init_params"], **arguments})
+
+
 def fabric_loop_body(
-    strategy: str, accumulate: int, optimizer_kind: str, clip_norm: float | None, separate_setup: bool
+    strategy: str | tuple[str, dict[str, Any]],
+    accumulate: int,
+    optimizer_kind: str,
+    clip_norm: float | None,
+    separate_setup: bool,
 ) -> dict[str, Any]:
-    fabric = _fabric(strategy)
+    fabric = _fabric(_strategy(strategy))
     model = _model()
     if separate_setup:  # litgpt's order: the module first, the optimizer over the set-up module's parameters
         model = fabric.setup_module(model)
@@ -115,7 +138,7 @@ def fabric_loop_body(
     losses = _train(fabric, model, optimizer, STEPS, accumulate, clip_norm)
     result = {"losses": losses, "parameters": _whole(fabric.strategy.get_module_state_dict(model))}
     if current_rank() == 0:
-        result["oracle"] = one_process(current_world_size(), STEPS, accumulate, optimizer_kind, clip_norm)
+        result["oracle"] = one_process(_data_parallel(fabric)[0], STEPS, accumulate, optimizer_kind, clip_norm)
     return result
 
 
@@ -294,9 +317,30 @@ def test_every_registered_name_builds_a_fabric_strategy(name):
     assert type(fabric.strategy).__module__ == "lightning_colossal.fabric.modes"
 
 
-def test_hybrid_is_refused_with_the_reason():
+# RegressionModel's layers split by a plan: `hidden` by columns, `output` by rows (its result is whole again).
+TENSOR_PARALLEL_PLAN = {"input": "replicate", "norm": "replicate", "hidden": "colwise", "output": "rowwise"}
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"tp_size": 2, "policy": TENSOR_PARALLEL_PLAN},
+        {"zero_stage": 2},
+        {"tp_size": 2, "policy": TENSOR_PARALLEL_PLAN, "zero_stage": 1},
+    ],
+    ids=["tp2", "dp2-zero2", "tp2-zero1"],
+)
+@pytest.mark.parametrize("optimizer_kind", ["sgd", "adamw"])
+def test_hybrid_matches_one_process(rank_pool_2, arguments, optimizer_kind):
+    accumulate, clip = (2, 100.0) if optimizer_kind == "sgd" else (1, 0.05)
+    _assert_matches(
+        rank_pool_2.run(fabric_loop_body, ("colossal_hybrid", arguments), accumulate, optimizer_kind, clip, False)
+    )
+
+
+def test_hybrid_pipelines_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="pipeline schedule replaces the training step"):
-        Fabric(accelerator="cpu", devices=1, strategy="colossal_hybrid")
+        Fabric(accelerator="cpu", devices=1, strategy=FabricHybridStrategy(pp_size=2, num_microbatches=2))
 
 
 def test_fabric_precision_plugins_are_translated_not_dropped():
@@ -396,3 +440,55 @@ def fabric_to_trainer_body(path: str) -> dict[str, Any]:
 def test_the_trainer_resumes_from_a_fabric_checkpoint(rank_pool_2, tmp_path):
     results = rank_pool_2.run(fabric_to_trainer_body, str(tmp_path / "fabric.ckpt"))
     assert all(result["steps"] == 1 for result in results)
+
+
+def _gpt() -> nn.Module:
+    from lightning_colossal.demo.model import GPT, GPTConfig
+
+    seed_everything(MODEL_SEED, verbose=False)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, num_layers=2, num_heads=2, embed_dim=32, tie_weights=False))
+
+
+def _gpt_tokens() -> torch.Tensor:
+    return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+
+
+def gpt_tensor_parallel_body(sharded_loss: bool) -> dict[str, Any]:
+    """The demo GPT (a vocabulary-parallel head) under tp2: the loss from whole logits by default, or from sharded
+    logits inside `loss_parallel()`."""
+    fabric = _fabric(FabricHybridStrategy(tp_size=2))
+    model = _gpt()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    tokens = _gpt_tokens()
+    losses = []
+    for _ in range(2):
+        context = fabric.strategy.loss_parallel() if sharded_loss else nullcontext()
+        with context:
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+    result: dict[str, Any] = {"losses": losses, "logits": type(logits).__name__}
+    if current_rank() == 0:
+        reference = _gpt()
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+        expected = []
+        for _ in range(2):
+            logits = reference(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+            expected.append(loss.item())
+        result["expected"] = expected
+    return result
+
+
+@pytest.mark.parametrize("sharded_loss", [False, True], ids=["whole-logits", "loss-parallel"])
+def test_a_vocabulary_parallel_head_trains_like_one_process_either_way(rank_pool_2, sharded_loss):
+    results = rank_pool_2.run(gpt_tensor_parallel_body, sharded_loss)
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(results[0]["expected"]), **FP32)
+        assert result["logits"] == ("DTensor" if sharded_loss else "Tensor")  # sharded only where asked
