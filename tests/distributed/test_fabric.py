@@ -492,3 +492,31 @@ def test_a_vocabulary_parallel_head_trains_like_one_process_either_way(rank_pool
     for result in results:
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(results[0]["expected"]), **FP32)
         assert result["logits"] == ("DTensor" if sharded_loss else "Tensor")  # sharded only where asked
+
+
+def bf16_body(strategy: str) -> dict[str, Any]:
+    fabric = _fabric(strategy, "bf16-mixed")
+    model = _model()
+    # SGD: a difference in the gradients shows in proportion (Adam's normalised steps would amplify bf16 noise).
+    model, optimizer = fabric.setup(model, _optimizer(model, "sgd"))
+    losses = _train(fabric, model, optimizer, STEPS, 1, None)
+    result = {"losses": losses, "parameters": _whole(fabric.strategy.get_module_state_dict(model))}
+    if current_rank() == 0:
+        result["oracle"] = one_process(current_world_size(), STEPS, 1, "sgd")
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["colossal_zero2", "colossal_gemini"])
+def test_bf16_mixed_trains_close_to_fp32_one_process(rank_pool_2, strategy):
+    results = rank_pool_2.run(bf16_body, strategy)
+    oracle = results[0]["oracle"]
+    mean_losses = [sum(step) / len(results) for step in zip(*(result["losses"] for result in results), strict=True)]
+    # bf16 matmuls: within bf16's rounding of the fp32 run, and every replica the same.
+    torch.testing.assert_close(torch.tensor(mean_losses), torch.tensor(oracle["losses"]), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(results[0]["parameters"], oracle["parameters"], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(results[1]["parameters"], results[0]["parameters"], rtol=0, atol=0)
+
+
+def test_the_disk_tier_under_a_fabric_loop_matches_one_process(rank_pool_2, tmp_path):
+    arguments = {"offload_dir": str(tmp_path), "disk_fraction": 0.5}
+    _assert_matches(rank_pool_2.run(fabric_loop_body, ("colossal_zero2_offload", arguments), 2, "sgd", 100.0, False))
