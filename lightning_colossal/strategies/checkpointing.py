@@ -377,6 +377,23 @@ class CheckpointingMixin(ProcessGroupMixin):
         return checkpoint
 
 
+def parameters_by_state_key(module: Any) -> dict[str, str]:
+    """For each key of ``module.state_dict()`` that holds a parameter, that parameter's name in
+    ``module.named_parameters()``.
+
+    [Note: a module's own state_dict names]
+    A checkpoint holds exactly the keys ``module.state_dict()`` gives, which are the parameter names unless the module
+    overrides ``state_dict`` (litgpt's ``LLM`` drops a level: ``llm.transformer...`` for the parameter
+    ``llm.model.transformer...``). Engines name their masters and chunks by parameter name; a strategy that puts them
+    into the checkpoint maps them onto the module's own keys by identity, through this, rather than adding the
+    parameter names beside them (a strict load of the checkpoint would then find unexpected keys).
+    """
+    names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+    return {
+        key: names[id(value)] for key, value in module.state_dict(keep_vars=True).items() if id(value) in names
+    }
+
+
 def _check_model_keys(path: Path, expected: set[str], saved: SavedItems, strict: bool) -> None:
     saved_names = saved.model_names()
     missing = sorted(expected - saved_names)

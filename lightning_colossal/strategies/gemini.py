@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_colossal.config import AutoPlacement, GeminiConfig, StaticPlacement
 from lightning_colossal.gemini import GeminiEngine
+from lightning_colossal.strategies.checkpointing import parameters_by_state_key
 from lightning_colossal.strategies.engine_strategy import EngineStrategy
 from lightning_colossal.strategies.failures import explain_in_message
 from lightning_colossal.strategies.model_summary import count_whole_parameters_in_model_summary
@@ -173,16 +174,19 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
         if self.engine is None:
             return self.lightning_module.state_dict()
         # fp32 master rows of every trainable chunked parameter (never rounded weights), the shard rows of frozen ones
-        # (in their own dtype, as module.state_dict() holds them), plus buffers and parameters kept whole.
-        state = self.engine.state_by_name()
-        for name, value in self.lightning_module.state_dict().items():
-            state.setdefault(name, value)
+        # (in their own dtype, as module.state_dict() holds them), plus buffers and parameters kept whole; under the
+        # module's own state_dict keys (checkpointing.py [Note: a module's own state_dict names]).
         fitted = self._checkpoint_engine()
+        # An evaluation stage after fit: its chunks were made from the (possibly rounded) parameters, the fit's engine
+        # still holds the fp32 masters its optimizer state belongs to (engine_strategy.py [Note: a fit's optimizer
+        # outlives the evaluation after it]).
+        chunked = (fitted if fitted is not None else self.engine).state_by_name()
         if fitted is not self.engine and fitted is not None:
-            # An evaluation stage after fit: its chunks were made from the (possibly rounded) parameters, the fit's
-            # engine still holds the fp32 masters its optimizer state belongs to (engine_strategy.py [Note: a fit's
-            # optimizer outlives the evaluation after it]).
-            state.update((name, value) for name, value in fitted.state_by_name().items() if name in state)
+            chunked = {**self.engine.state_by_name(), **chunked}
+        state = self.lightning_module.state_dict()
+        for key, name in parameters_by_state_key(self.lightning_module).items():
+            if name in chunked:
+                state[key] = chunked[name]
         return state
 
     def _on_model_state_loaded(self) -> None:
@@ -201,9 +205,13 @@ class GeminiStrategy(EngineStrategy[GeminiEngine]):
                 f"The checkpoint does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}."
                 " Fix the model or load with `strict_loading = False` on the LightningModule."
             )
-        self.engine.load_full_weights(state_dict)
+        # The file is keyed as the module's state_dict (checkpointing.py [Note: a module's own state_dict names]).
+        parameter_of = parameters_by_state_key(self.lightning_module)
         chunked = self.engine.chunked_names()
-        rest = {name: value for name, value in state_dict.items() if name not in chunked}
+        self.engine.load_full_weights(
+            {parameter_of[key]: value for key, value in state_dict.items() if parameter_of.get(key) in chunked}
+        )
+        rest = {key: value for key, value in state_dict.items() if parameter_of.get(key) not in chunked}
         self.lightning_module.load_state_dict(rest, strict=False)
 
     def full_model_state_dict(self) -> dict[str, Tensor]:

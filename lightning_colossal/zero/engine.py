@@ -624,7 +624,9 @@ class ZeroEngine(EngineDiskTier):
         (this rank's part only: what a weight average keeps)."""
         if always or self.checkpoints_hold_masters:
             precise = self.masters_by_name()
-            model_state.update(precise)
+            # Only under names the state has: a module whose state_dict renames its parameters gets its masters
+            # through the identity below, under its own keys, not the parameter names beside them.
+            model_state.update((name, master) for name, master in precise.items() if name in model_state)
             # A tied parameter is in the state under every name that holds it: each name gets the master, so the
             # checkpoint does not keep one weight at two precisions.
             master_of = {
