@@ -48,6 +48,33 @@ class ShardedMaster:
     master: Tensor
 
 
+class ShardedClipping:
+    """The clipping and gradient norm of an engine whose optimizer steps on sharded masters (ZeRO, Gemini): each
+    element of the whole gradient counted on one rank (``counted_gradients``), one scalar all-reduce, summed on
+    ``norm_device`` (where the gradient shards are: the host under ZeRO's offload)."""
+
+    sharded_masters: list[ShardedMaster]
+    process_group: ProcessGroup | None
+    rank: int
+
+    @property
+    def norm_device(self) -> torch.device:
+        raise NotImplementedError(f"{type(self).__name__} must say where its gradient shards' norm is summed.")
+
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
+        """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
+        return clip_by_global_norm(self.sharded_masters, max_norm, self.process_group, self.rank, self.norm_device)
+
+    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
+        """The norm of the whole reduced gradient over every rank's shards (one scalar all-reduce)."""
+        counted = counted_gradients(self.sharded_masters, self.rank)
+        return global_norm(counted, self.process_group, self.norm_device, norm_type)
+
+    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
+        """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
+        clip_by_value(self.sharded_masters, clip_value)
+
+
 class GradientArrivals:
     """Which of ``count`` parameters (in an order every rank shares) got a gradient on this rank since ``clear``: one
     host flag each ([Note: gradients nobody produced])."""

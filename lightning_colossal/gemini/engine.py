@@ -73,7 +73,7 @@ class GeminiMemoryReport(NamedTuple):
     disk_staging_bytes: int = 0  # host buffers the disk tier streams that state through during a step
 
 
-class GeminiEngine(EngineDiskTier):
+class GeminiEngine(EngineDiskTier, sharded_state.ShardedClipping):
     """Shards ``module``'s parameters in chunks over the ranks of ``device_mesh`` and runs them (frozen ones too:
     layout.py [Note: frozen chunks]).
 
@@ -387,19 +387,10 @@ class GeminiEngine(EngineDiskTier):
         """Release every gathered chunk (between stages; chunks stay valid, only the gathered copies go)."""
         self.manager.release_all()
 
-    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
-        return sharded_state.clip_by_global_norm(
-            self.sharded_masters, max_norm, self.process_group, self.rank, self.compute_device
-        )
-
-    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
-        """The norm of the whole reduced gradient over every rank's shards (one scalar all-reduce)."""
-        counted = sharded_state.counted_gradients(self.sharded_masters, self.rank)
-        return sharded_state.global_norm(counted, self.process_group, self.compute_device, norm_type)
-
-    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        sharded_state.clip_by_value(self.sharded_masters, clip_value)
+    @property
+    def norm_device(self) -> torch.device:
+        """Where the global gradient norm is summed (``sharded_state.ShardedClipping``): where the shards are."""
+        return self.compute_device
 
     # ---------------------------------------------------------------------------------------------- accounting
     @property

@@ -91,7 +91,7 @@ class ReducedGradient(NamedTuple):
     replicated: bool  # every rank of the reduction group holds the same values (counted once in a global norm)
 
 
-class ZeroEngine(EngineDiskTier):
+class ZeroEngine(EngineDiskTier, sharded_state.ShardedClipping):
     """Shards the optimizer of ``module`` over the ranks of ``device_mesh`` (a 1-D data-parallel mesh).
 
     Args:
@@ -559,20 +559,10 @@ class ZeroEngine(EngineDiskTier):
         self.exchange.all_buckets()
 
     # ---------------------------------------------------------------------------------------------- clipping
-    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> Tensor:
-        """Clip all gradient shards by their global L2 norm (one scalar all-reduce); returns the norm."""
-        return sharded_state.clip_by_global_norm(
-            self.sharded_masters, max_norm, self.process_group, self.rank, self.offload_device
-        )
-
-    def gradient_norm(self, optimizer: Optimizer, norm_type: float) -> Tensor:
-        """The norm of the whole reduced gradient over every rank's shards (one scalar all-reduce)."""
-        counted = sharded_state.counted_gradients(self.sharded_masters, self.rank)
-        return sharded_state.global_norm(counted, self.process_group, self.offload_device, norm_type)
-
-    def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
-        """Clamp every gradient element of this rank's shards to ``[-clip_value, clip_value]``."""
-        sharded_state.clip_by_value(self.sharded_masters, clip_value)
+    @property
+    def norm_device(self) -> torch.device:
+        """Where the global gradient norm is summed (``sharded_state.ShardedClipping``): where the shards are."""
+        return self.offload_device
 
     def reduced_gradients(self) -> list[ReducedGradient]:
         """This rank's reduced gradient rows, for a caller that counts them in a norm over more ranks than this
