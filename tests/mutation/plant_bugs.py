@@ -142,7 +142,7 @@ BUGS = [
         "resume restores rank 0's random state on every rank",
         (
             (
-                "lightning_colossal/strategies/checkpointing.py",
+                "lightning_colossal/strategies/checkpoint_loading.py",
                 "        own_rank = self.global_rank",
                 "        own_rank = 0",
             ),
@@ -154,13 +154,13 @@ BUGS = [
         "resume reads the optimizer state into a copy and never applies it",
         (
             (
-                "lightning_colossal/strategies/checkpointing.py",
+                "lightning_colossal/strategies/checkpoint_loading.py",
                 "                destinations.optimizers.append(self.optimizer_names_and_state(optimizer))",
                 "                destinations.optimizers.append(__import__('copy').deepcopy("
                 "self.optimizer_names_and_state(optimizer)))",
             ),
             (
-                "lightning_colossal/strategies/checkpointing.py",
+                "lightning_colossal/strategies/checkpoint_loading.py",
                 "            self._load_optimizer_state(optimizer, state)",
                 "            pass",
             ),
