@@ -28,7 +28,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_colossal.distributed import collectives
-from lightning_colossal.engine_parts.meta_init import has_meta_tensors
 from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.fabric.strategy import ColossalFabricStrategy
 from lightning_colossal.fsdp import UnusedGradientTracker, include_unused_parameters_in_reduction
@@ -101,13 +100,17 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
         optimizer = super()._take_optimizer(optimizer, joint)
         # What joined_parameters.py compares with before each backward (a group added later).
         self.mode._group_counts = self.mode._optimizer_group_counts()
+        self._install_load_hooks()
+        return optimizer
+
+    def _install_load_hooks(self) -> None:
+        """[Note: weights loaded into a set-up model], once."""
         if not self._load_hooks:
             assert self._module is not None
             self._load_hooks = [
                 self._module.register_load_state_dict_pre_hook(self._before_weights_load),
                 self._module.register_load_state_dict_post_hook(self._after_weights_load),
             ]
-        return optimizer
 
     def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         """``model.load_state_dict(weights)`` after set-up ([Note: weights loaded into a set-up model])."""
@@ -138,7 +141,7 @@ class FabricZeroStrategy(_EngineFabricStrategy):
     trainer_strategy = ZeroStrategy
 
     def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        self._loading = {name.removeprefix(prefix): value for name, value in state_dict.items()}
+        self._loading = {name.removeprefix(prefix): _loaded(value) for name, value in state_dict.items()}
 
     def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
         loaded, self._loading = self._loading, None
@@ -153,24 +156,27 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
     trainer_strategy = GeminiStrategy
     mode: GeminiStrategy
 
-    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
-        if not joint and self._module is not None and has_meta_tensors(self._module):
-            raise ValueError(
-                "colossal_gemini chunks a model built on the meta device (`fabric.init_module(empty_init=True)`)"
-                " together with its optimizer: set them up in one call, `model, optimizer = fabric.setup(model,"
-                " optimizer)`."
-            )
-        return super()._take_optimizer(optimizer, joint)
+    def _prepare_model(self, module: Module) -> Module:
+        # Chunked at set-up (a model on the meta device materialised shard by shard), the optimizer attached when it
+        # is set up: litgpt makes its optimizer only after `fabric.setup(model)`, from the set-up parameters.
+        self.mode.engines = [self.mode._build_engine(None, None)]
+        self._install_load_hooks()
+        return module
 
-    def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
-    ) -> tuple[Module, list[Optimizer], Any]:
-        if not optimizers and has_meta_tensors(module):
+    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+        engine = self.mode.engine
+        assert engine is not None
+        if self.mode.optimizers:
             raise ValueError(
-                "colossal_gemini materialises a model built on the meta device while chunking it with its optimizer:"
-                " pass the optimizer to `fabric.setup(model, optimizer)`."
+                "FabricGeminiStrategy shards exactly one optimizer. Put all parameters into one optimizer with one"
+                " param group per setting, or use colossal_zero1 / colossal_zero2, which take one engine per"
+                " optimizer."
             )
-        return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        engine.attach_optimizer(optimizer)
+        self.mode._record_held_frozen([optimizer])
+        self.mode._fitted_engines = [engine]
+        self.mode._wire_precision_plugin()
+        return optimizer
 
     @contextmanager
     def forward_context(self, module: Module) -> Generator[None, None, None]:
@@ -197,7 +203,7 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
         # [Note: weights loaded into a set-up model]; `state_dict` is load_state_dict's own copy.
         engine = self.mode.engine
         chunked = engine.chunked_names()
-        weights = {name.removeprefix(prefix): value for name, value in state_dict.items()}
+        weights = {name.removeprefix(prefix): _loaded(value) for name, value in state_dict.items()}
         taken = {name for name in weights if name in chunked}
         if not taken:
             return
@@ -327,6 +333,13 @@ class FabricHybridStrategy(ColossalFabricStrategy):
         # A loss computed under loss_parallel is a replicated DTensor: its own value, plain (differentiably), as the
         # Trainer makes a step's outputs, so the precision plugin's checks see an ordinary tensor.
         return plain(loss)
+
+
+def _loaded(value: Any) -> Any:
+    """``value`` read, where it is one of Lightning's lazily loaded tensors (``lightning.fabric.utilities.load``, which
+    litgpt loads its checkpoints with): the engines slice the values they are given."""
+    load = getattr(value, "_load_tensor", None)
+    return load() if callable(load) else value
 
 
 def _parameters(optimizer: Optimizer) -> list[Any]:

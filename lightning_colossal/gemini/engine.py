@@ -138,17 +138,12 @@ class GeminiEngine(EngineDiskTier, sharded_state.ShardedClipping):
             if not chunk.frozen
             for member, view in zip(chunk.spec.members, chunk.master_views, strict=True)
         ]
-        if optimizer is not None:
-            masters = {
-                key: chunk.master_views[position]
-                for key, (chunk, position) in self.chunk_of.items()
-                if not chunk.frozen
-            }
-            optimizer_takeover.swap_parameters(optimizer, masters)
         #: The masters the disk tier holds ([Note: Gemini's masters on disk]; none without ``masters_on_disk``) and the
         #: tier itself (``disk_state``).
         self.disk_masters = DiskMasters([])
-        self.disk_state = None if optimizer is None else self._open_disk_tier(optimizer)
+        self.disk_state: DiskOptimizerState | None = None
+        if optimizer is not None:
+            self._take_over(optimizer)
         self.tracer = MemoryTracer(compute_device, self._model_bytes_on_device)
         self.hooks = self._install_hooks()
         # After restore_full_parameters() the parameters own their storage again; the chunks stay readable (for a
@@ -156,6 +151,38 @@ class GeminiEngine(EngineDiskTier, sharded_state.ShardedClipping):
         self.detached = False
 
     # ---------------------------------------------------------------------------------------------- set-up
+    def _take_over(self, optimizer: Optimizer) -> None:
+        """The optimizer steps the trainable chunks' masters from now on; the disk tier takes its share."""
+        masters = {
+            key: chunk.master_views[position] for key, (chunk, position) in self.chunk_of.items() if not chunk.frozen
+        }
+        optimizer_takeover.swap_parameters(optimizer, masters)
+        self.disk_state = self._open_disk_tier(optimizer)
+
+    def attach_optimizer(self, optimizer: Optimizer) -> None:
+        """Take over an optimizer made after the chunks (an engine built without one: a Fabric loop's
+        ``setup_module`` then ``setup_optimizers``, litgpt's order), over every parameter the chunks hold as
+        trainable: what the optimizer given at construction would have held."""
+        if self.optimizer is not None:
+            raise ValueError("This Gemini engine already took over an optimizer: it shards exactly one.")
+        if self.config.masters_on_disk:
+            raise ValueError(
+                "masters_on_disk=True lays the masters out on disk with the chunks, so the optimizer must come with the"
+                " model: set them up in one call (`fabric.setup(model, optimizer)`)."
+            )
+        held = _held_parameters(optimizer, self.module)
+        assert held is not None
+        trainable = {key for key, (chunk, _) in self.chunk_of.items() if not chunk.frozen}
+        if held != trainable:
+            raise ValueError(
+                f"The optimizer holds {len(held - trainable)} parameter(s) the chunks do not train and leaves out"
+                f" {len(trainable - held)} trainable one(s): after the model was set up, Gemini steps every parameter"
+                " with requires_grad=True. Build the optimizer over all of them (one param group per setting; a"
+                " learning rate of 0 for a group that must not move), or set up the model and optimizer in one call."
+            )
+        self.optimizer = optimizer
+        self._take_over(optimizer)
+
     def _lay_out(self, trainable: list[nn.Parameter], frozen: list[nn.Parameter]) -> list[ChunkSpec]:
         """This rank's chunk layout, with the configured chunk size or the searched one: the trainable chunks, then
         the frozen ones (layout.py [Note: frozen chunks]), one capacity for both."""
