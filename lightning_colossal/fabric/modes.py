@@ -1,20 +1,19 @@
 """The Fabric strategies of each mode: what Fabric's loop shape needs of the mode beyond the base
 ([Note: one mode, two front doors] in ``fabric/strategy.py``).
 
-=====================  ==========================  ================================================================
-Fabric strategy        names                       what it adds
-=====================  ==========================  ================================================================
-``FabricDDPStrategy``  ``colossal_ddp``            the module wrapped in torch DDP; late-unfrozen parameters averaged
-``FabricZeroStrategy`` ``colossal_zero1/2``,       one ZeRO engine per optimizer, built when the optimizer is set up
-                       ``*_offload``
-``FabricGeminiStrategy`` ``colossal_gemini``,      the engine built with the one optimizer; step contexts and gather
-                       ``_auto``, ``_offload``     rounds around every forward; chunks counted before backward
-``FabricFSDPStrategy`` ``colossal_fsdp``,          the module sharded by FSDP2 at set-up; an optimizer made before
-                       ``colossal_fsdp_offload``   that points at the sharded parameters; unused gradients tracked
-=====================  ==========================  ================================================================
+- ``FabricDDPStrategy`` (``colossal_ddp``): the module wrapped in torch DDP; parameters unfrozen after wrapping
+  averaged as under the Trainer.
+- ``FabricZeroStrategy`` (``colossal_zero1/2``, ``*_offload``): one ZeRO engine per optimizer, built when the
+  optimizer is set up.
+- ``FabricGeminiStrategy`` (``colossal_gemini``, ``_auto``, ``_offload``): the model chunked at set-up, the one
+  optimizer attached when it is set up; step contexts and gather rounds around every forward; chunks counted before
+  backward.
+- ``FabricFSDPStrategy`` (``colossal_fsdp``, ``colossal_fsdp_offload``): the module sharded by FSDP2 at set-up;
+  unused gradients tracked.
+- ``FabricHybridStrategy`` (``colossal_hybrid``): tensor, sequence, expert and data parallelism; pipelines refused
+  ([Note: tensor parallelism in a hand-written loop]).
 
-``FabricHybridStrategy`` (``colossal_hybrid``) takes tensor, sequence, expert and data parallelism; pipelines are
-refused ([Note: tensor parallelism in a hand-written loop]).
+Every mode points an optimizer made before set-up at the parameters the mode replaced, by name (the base).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class FabricDDPStrategy(ColossalFabricStrategy):
     def _prepare_model(self, module: Module) -> Module:
         return self.mode._wrap(module)  # DDP copies rank 0's buffers before each forward itself
 
-    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _adopt_optimizer(self, optimizer: Optimizer) -> Optimizer:
         _optimizers_to_device([optimizer], self.root_device)
         return optimizer
 
@@ -66,7 +65,7 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
     _load_hooks: list[Any] = []
     _loading: Any = None
 
-    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _adopt_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.mode.engines and not self.mode.takes_several_optimizers:
             raise ValueError(
                 f"{type(self).__name__} shards exactly one optimizer. Put all parameters into one optimizer with one"
@@ -96,8 +95,8 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
             self.mode._take_over_joined_parameters()
         return loss
 
-    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
-        optimizer = super()._take_optimizer(optimizer, joint)
+    def _take_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        optimizer = super()._take_optimizer(optimizer)
         # What joined_parameters.py compares with before each backward (a group added later).
         self.mode._group_counts = self.mode._optimizer_group_counts()
         self._install_load_hooks()
@@ -163,7 +162,7 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
         self._install_load_hooks()
         return module
 
-    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _adopt_optimizer(self, optimizer: Optimizer) -> Optimizer:
         engine = self.mode.engine
         assert engine is not None
         if self.mode.optimizers:
@@ -279,13 +278,13 @@ class FabricHybridStrategy(ColossalFabricStrategy):
         self.mode._running_statistics = modules_with_running_statistics(module)
         return module
 
-    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _take_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.mode.optimizers:
             raise ValueError(
                 "colossal_hybrid shards exactly one optimizer. Put all parameters into one optimizer with one param"
                 " group per setting."
             )
-        optimizer = super()._take_optimizer(optimizer, joint)
+        optimizer = super()._take_optimizer(optimizer)
         engine = self.mode.engine
         assert engine is not None
         self.mode._record_held_frozen([optimizer])

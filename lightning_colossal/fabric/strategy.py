@@ -215,7 +215,7 @@ class ColossalFabricStrategy(ParallelStrategy):
         self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[Module, list[Optimizer], Any]:
         wrapped = self.setup_module(module)
-        return wrapped, [self._take_optimizer(optimizer, joint=True) for optimizer in optimizers], scheduler
+        return wrapped, [self._take_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     def setup_module(self, module: Module) -> Module:
         if self._module is not None:
@@ -239,13 +239,13 @@ class ColossalFabricStrategy(ParallelStrategy):
         return self._wrapped
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return self._take_optimizer(optimizer, joint=False)
+        return self._take_optimizer(optimizer)
 
-    def _take_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _take_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._module is None:
             raise RuntimeError("Set up the model before its optimizer: `fabric.setup_module(model)` first.")
         self._point_at_set_up_parameters(optimizer)
-        optimizer = self._adopt_optimizer(optimizer, joint)
+        optimizer = self._adopt_optimizer(optimizer)
         self.mode.optimizers = [*self.mode.optimizers, optimizer]
         return optimizer
 
@@ -277,7 +277,7 @@ class ColossalFabricStrategy(ParallelStrategy):
                 replaced.append(parameter)
             group["params"] = replaced
 
-    def _adopt_optimizer(self, optimizer: Optimizer, joint: bool) -> Optimizer:
+    def _adopt_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer the loop steps, once the mode took it over (by default, as it is)."""
         return optimizer
 
