@@ -434,12 +434,7 @@ def to_colossal_precision(plugin: Precision | None, loss_scaler: LossScalerConfi
     if isinstance(plugin, ColossalPrecision):
         return plugin
     if isinstance(plugin, MixedPrecision):
-        if plugin.precision == "16-mixed" and plugin.scaler is not None and not is_default_grad_scaler(plugin.scaler):
-            raise TypeError(
-                "A custom torch GradScaler was passed through MixedPrecision; lightning_colossal uses its own loss"
-                " scaler. Pass its settings as `ColossalPrecision('16-mixed', loss_scaler=LossScalerConfig(...))` in"
-                " `Trainer(plugins=[...])` or as the strategy's `loss_scaler=` argument."
-            )
+        refuse_a_custom_grad_scaler(plugin.precision, plugin.scaler, "Trainer")
         return ColossalPrecision(plugin.precision, loss_scaler, device_type=str(plugin.device))  # type: ignore[arg-type]
     if isinstance(plugin, HalfPrecision):
         return ColossalPrecision(validate_precision(plugin.precision), loss_scaler)
@@ -452,6 +447,17 @@ def to_colossal_precision(plugin: Precision | None, loss_scaler: LossScalerConfi
         " `Trainer(precision=...)` with one of '32-true', 'bf16-mixed', 'bf16-true', '16-mixed', or a"
         " `lightning_colossal.ColossalPrecision` in `Trainer(plugins=[...])`."
     )
+
+
+def refuse_a_custom_grad_scaler(precision: str, scaler: Any, front_door: str) -> None:
+    """Refuse a user's own ``GradScaler`` handed over in a ``MixedPrecision`` plugin (of ``front_door``, "Trainer" or
+    "Fabric"): the plugins here scale with ``DynamicLossScaler``, and its settings are where to put the user's."""
+    if precision == "16-mixed" and scaler is not None and not is_default_grad_scaler(scaler):
+        raise TypeError(
+            "A custom torch GradScaler was passed through MixedPrecision; lightning_colossal uses its own loss"
+            " scaler. Pass its settings as `ColossalPrecision('16-mixed', loss_scaler=LossScalerConfig(...))` in"
+            f" `{front_door}(plugins=[...])` or as the strategy's `loss_scaler=` argument."
+        )
 
 
 def is_default_grad_scaler(scaler: Any) -> bool:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_colossal.config import LossScalerConfig, validate_precision
-from lightning_colossal.precision import ColossalPrecision, is_default_grad_scaler
+from lightning_colossal.precision import ColossalPrecision, refuse_a_custom_grad_scaler
 
 
 def _backward_ran() -> bool:
@@ -95,12 +95,7 @@ def to_fabric_precision(plugin: Any, loss_scaler: LossScalerConfig | None = None
         translated.loss_scaler = plugin.loss_scaler
         return translated
     if isinstance(plugin, MixedPrecision):
-        if plugin.precision == "16-mixed" and plugin.scaler is not None and not is_default_grad_scaler(plugin.scaler):
-            raise TypeError(
-                "A custom torch GradScaler was passed through MixedPrecision; lightning_colossal uses its own loss"
-                " scaler. Pass its settings as `ColossalPrecision('16-mixed', loss_scaler=LossScalerConfig(...))` in"
-                " `Fabric(plugins=[...])` or as the strategy's `loss_scaler=` argument."
-            )
+        refuse_a_custom_grad_scaler(plugin.precision, plugin.scaler, "Fabric")
         return FabricPrecision(plugin.precision, loss_scaler, device_type=str(plugin.device))
     if isinstance(plugin, HalfPrecision):
         return FabricPrecision(validate_precision(plugin.precision), loss_scaler)
