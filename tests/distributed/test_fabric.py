@@ -32,7 +32,9 @@ MODES = [
     "colossal_zero2_offload",
     "colossal_gemini",
     "colossal_gemini_offload",
+    "colossal_gemini_auto",
     "colossal_fsdp",
+    "colossal_fsdp_offload",
 ]
 
 
