@@ -22,6 +22,7 @@ from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -180,6 +181,8 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
     @contextmanager
     def forward_context(self, module: Module) -> Generator[None, None, None]:
         engine = self.mode.engine
+        if self._load_hooks:
+            self._hand_over_loaded_weights()
         with super().forward_context(module):
             if engine is None:
                 yield
@@ -198,22 +201,65 @@ class FabricGeminiStrategy(_EngineFabricStrategy):
             self.mode.engine.prepare_backward(loss)
         return loss
 
-    def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # [Note: weights loaded into a set-up model]; `state_dict` is load_state_dict's own copy.
-        engine = self.mode.engine
-        chunked = engine.chunked_names()
-        weights = {name.removeprefix(prefix): _loaded(value) for name, value in state_dict.items()}
-        taken = {name for name in weights if name in chunked}
-        if not taken:
+    def _install_load_hooks(self) -> None:
+        # [Note: weights loaded into a set-up model]: under Gemini on every module that owns a chunked parameter, so
+        # that a key a module renames in its own `_load_from_state_dict` (litgpt's LoRA layers) is read as renamed;
+        # the root's post-hook hands the weights over, once. And the whole value of a chunked parameter in
+        # `state_dict()`, as FSDP2 gives it (litgpt's LoRA saver reads `model.state_dict()`).
+        if self._load_hooks:
             return
-        engine.load_full_weights({name: weights[name] for name in taken})
-        for name in taken:
-            del state_dict[prefix + name]
-        self._loading = {prefix + name for name in taken}
+        assert self._module is not None
+        engine = self.mode.engine
+        assert engine is not None
+        chunked = {key for key, (chunk, _) in engine.chunk_of.items()}
+        self._pending: dict[str, Tensor] = {}
+        self._taken_keys: set[str] = set()
+        owners = [
+            module
+            for module in self._module.modules()
+            if any(id(parameter) in chunked for parameter in module.parameters(recurse=False))
+        ]
+        self._load_hooks = [owner.register_load_state_dict_pre_hook(self._take_own_weights) for owner in owners]
+        self._load_hooks.append(self._module.register_load_state_dict_post_hook(self._after_weights_load))
+        # (a function: torch marks the hook it is given with an attribute, which a bound method cannot take)
+        self._load_hooks.append(
+            self._module.register_state_dict_post_hook(lambda *arguments: self._whole_chunked_values(*arguments))
+        )
+
+    def _take_own_weights(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        engine = self.mode.engine
+        assert engine is not None
+        for local_name, parameter in module.named_parameters(recurse=False):
+            key = prefix + local_name
+            if key in state_dict and id(parameter) in engine.chunk_of:
+                # Taken out of load_state_dict's own copy: the module would copy into the empty placeholder.
+                self._pending[engine.names_of[id(parameter)][0]] = _loaded(state_dict.pop(key))
+                self._taken_keys.add(key)
 
     def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
-        taken, self._loading = self._loading or set(), None
+        taken, self._taken_keys = self._taken_keys, set()
         incompatible_keys.missing_keys[:] = [key for key in incompatible_keys.missing_keys if key not in taken]
+        self._hand_over_loaded_weights()
+
+    def _hand_over_loaded_weights(self) -> None:
+        """The chunked parameters' rows from the weights a load took (also at the next forward, when the load was
+        into a submodule and the root's post-hook did not run)."""
+        pending, self._pending = self._pending, {}
+        if pending:
+            engine = self.mode.engine
+            assert engine is not None
+            engine.load_full_weights(pending)
+
+    def _whole_chunked_values(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        engine = self.mode.engine
+        if engine is None or engine.detached:
+            return
+        chunked = engine.state_by_name()  # master rows (shard rows of frozen chunks), dim-0 DTensors of whole shape
+        for key, value in state_dict.items():
+            name = key.removeprefix(prefix)
+            # Parameters themselves (keep_vars=True) stay: callers that ask for them want the objects.
+            if name in chunked and not isinstance(value, torch.nn.Parameter):
+                state_dict[key] = chunked[name]
 
 
 class FabricFSDPStrategy(ColossalFabricStrategy):

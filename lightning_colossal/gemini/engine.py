@@ -173,12 +173,15 @@ class GeminiEngine(EngineDiskTier, sharded_state.ShardedClipping):
         held = _held_parameters(optimizer, self.module)
         assert held is not None
         trainable = {key for key, (chunk, _) in self.chunk_of.items() if not chunk.frozen}
-        if held != trainable:
+        # Frozen parameters in the optimizer are left alone, as at construction (optimizer_takeover.py).
+        frozen = {id(parameter) for parameter in self.module.parameters() if not parameter.requires_grad}
+        if held - frozen != trainable:
             raise ValueError(
-                f"The optimizer holds {len(held - trainable)} parameter(s) the chunks do not train and leaves out"
-                f" {len(trainable - held)} trainable one(s): after the model was set up, Gemini steps every parameter"
-                " with requires_grad=True. Build the optimizer over all of them (one param group per setting; a"
-                " learning rate of 0 for a group that must not move), or set up the model and optimizer in one call."
+                f"The optimizer holds {len(held - frozen - trainable)} trainable parameter(s) the chunks do not train"
+                f" and leaves out {len(trainable - held)} trainable one(s): after the model was set up, Gemini steps"
+                " every parameter with requires_grad=True. Build the optimizer over all of them (one param group per"
+                " setting; a learning rate of 0 for a group that must not move), or set up the model and optimizer in"
+                " one call."
             )
         self.optimizer = optimizer
         self._take_over(optimizer)

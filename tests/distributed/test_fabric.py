@@ -539,3 +539,49 @@ def test_bf16_mixed_trains_close_to_fp32_one_process(rank_pool_2, strategy):
 def test_the_disk_tier_under_a_fabric_loop_matches_one_process(rank_pool_2, tmp_path):
     arguments = {"offload_dir": str(tmp_path), "disk_fraction": 0.5}
     _assert_matches(rank_pool_2.run(fabric_loop_body, ("colossal_zero2_offload", arguments), 2, "sgd", 100.0, False))
+
+
+class _Wrapped(nn.Module):
+    """A linear layer one level down that loads its old flat keys (``weight`` for ``linear.weight``), as litgpt's LoRA
+    layers do in their own ``_load_from_state_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        for name in ("weight", "bias"):
+            if prefix + name in state_dict:
+                state_dict[prefix + "linear." + name] = state_dict.pop(prefix + name)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def gemini_state_dict_body() -> dict[str, Any]:
+    fabric = _fabric("colossal_gemini")
+    seed_everything(MODEL_SEED, verbose=False)
+    model = nn.Sequential(_Wrapped(), nn.Linear(8, 1))
+    old_keys = {
+        "0.weight": torch.randn(8, 8),
+        "0.bias": torch.randn(8),
+        "1.weight": torch.randn(1, 8),
+        "1.bias": torch.randn(1),
+    }
+    model = fabric.setup(model)
+    model.load_state_dict(old_keys)  # below the root, the wrapped layer renames its keys
+    whole = _whole(fabric.strategy.get_module_state_dict(model))
+    # state_dict() gives each chunked parameter's whole value (a DTensor, as under FSDP2), not the empty placeholder.
+    from_state_dict = {name: value.full_tensor() for name, value in model.state_dict().items()}
+    return {"expected": old_keys, "whole": whole, "state_dict": _whole(from_state_dict)}
+
+
+def test_gemini_takes_weights_a_submodule_renames_and_state_dict_gives_whole_values(rank_pool_2):
+    for result in rank_pool_2.run(gemini_state_dict_body):
+        renamed = {
+            key.replace("0.", "0.linear.", 1) if key.startswith("0.") else key: value
+            for key, value in result["expected"].items()
+        }
+        torch.testing.assert_close(result["whole"], renamed, rtol=0, atol=0)
+        torch.testing.assert_close(result["state_dict"], renamed, rtol=0, atol=0)

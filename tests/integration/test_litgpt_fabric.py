@@ -34,14 +34,6 @@ RANKS = 2
 STEPS = 4  # optimizer steps: 2 micro-batches each per rank, so 8 logged iterations
 TIMEOUT = 240
 
-GEMINI_LORA_GAPS = (
-    "under colossal_gemini litgpt's LoRA layers rename `attn.qkv.weight` to `attn.qkv.linear.weight` in their own"
-    " `_load_from_state_dict`, below the model's load hook that hands the chunked weights to Gemini, and litgpt's"
-    " `save_lora_checkpoint` reads `model.state_dict()`, where a chunked parameter is an empty placeholder"
-)
-GEMINI_LORA = pytest.param("colossal_gemini", marks=pytest.mark.xfail(strict=True, reason=GEMINI_LORA_GAPS))
-
-
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``finetuned(strategy, method, precision)``: the run's output directory; each run once per module."""
@@ -96,7 +88,7 @@ def test_full_finetuning_losses_match_ddp(finetuned, strategy):
     _assert_losses_match(finetuned(strategy, "full"), reference_dir, rel=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["colossal_zero2", GEMINI_LORA])
+@pytest.mark.parametrize("strategy", ["colossal_zero2", "colossal_gemini"])
 def test_lora_finetuning_losses_match_ddp(finetuned, strategy):
     """Frozen base weights, trained LoRA matrices (litgpt loads the base with strict=False and saves the LoRA
     matrices from ``model.state_dict()``, not through fabric.save)."""
@@ -133,7 +125,7 @@ def _plain_weights(path: Path) -> dict[str, torch.Tensor]:
         ("colossal_zero2", "full"),
         ("colossal_zero2", "lora"),  # litgpt merges the LoRA checkpoint it saved into a full lit_model.pth
         ("colossal_gemini", "full"),
-        pytest.param("colossal_gemini", "lora", marks=pytest.mark.xfail(strict=True, reason=GEMINI_LORA_GAPS)),
+        ("colossal_gemini", "lora"),
     ],
 )
 def test_saved_lit_model_loads_with_litgpt_and_generates_as_ddps(finetuned, strategy, method, tmp_path):
