@@ -34,6 +34,7 @@ RANKS = 2
 STEPS = 4  # optimizer steps: 2 micro-batches each per rank, so 8 logged iterations
 TIMEOUT = 240
 
+
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``finetuned(strategy, method, precision)``: the run's output directory; each run once per module."""
@@ -145,3 +146,60 @@ def test_saved_lit_model_loads_with_litgpt_and_generates_as_ddps(finetuned, stra
             torch.tensor(saved["logits"]), torch.tensor(reference["logits"]), rtol=1e-4, atol=1e-5
         )
         assert saved["tokens"] and saved["tokens"] == reference["tokens"], (saved, reference)
+
+
+TRAINER_SCRIPT = """
+import sys
+import torch
+import lightning as L
+import lightning_colossal  # noqa: F401
+from litgpt import Config
+from litgpt.api import LLM
+from litgpt.model import GPT
+
+CONFIG = dict(name="tiny-neox", block_size=32, vocab_size=64, padding_multiple=64, n_layer=2, n_head=2, n_embd=32)
+
+
+class Module(L.LightningModule):
+    # litgpt's Trainer pattern: an LLM whose state_dict() drops the `model.` level of its parameters' names.
+    def __init__(self):
+        super().__init__()
+        config = Config(**CONFIG)
+        self.llm = LLM(model=GPT(config), config=config)
+
+    def training_step(self, batch, batch_index):
+        logits = self.llm.model(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, 64, (16, 17), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(tokens, batch_size=4)
+
+
+if __name__ == "__main__":
+    strategy, path = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    module = Module()
+    trainer.fit(module)
+    trainer.save_checkpoint(path)
+    if trainer.global_rank == 0:
+        llm = LLM(model=GPT(Config(**CONFIG)), config=Config(**CONFIG))
+        llm.trainer_setup(trainer_ckpt=path)  # litgpt's own strict load of a Trainer checkpoint
+        print("LOADED", sorted(llm.state_dict()) == sorted(module.llm.state_dict()))
+"""
+
+
+@pytest.mark.parametrize("strategy", ["colossal_zero2", "colossal_gemini"])
+def test_litgpts_llm_trained_by_the_trainer_loads_with_its_own_strict_loader(strategy, tmp_path):
+    script = tmp_path / "llm_trainer.py"
+    script.write_text(TRAINER_SCRIPT)
+    result = run_python([str(script), strategy, str(tmp_path / "llm.ckpt")], tmp_path, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "LOADED True" in result.stdout, result.stdout[-3000:]
