@@ -585,3 +585,25 @@ def test_gemini_takes_weights_a_submodule_renames_and_state_dict_gives_whole_val
         }
         torch.testing.assert_close(result["whole"], renamed, rtol=0, atol=0)
         torch.testing.assert_close(result["state_dict"], renamed, rtol=0, atol=0)
+
+
+def teardown_body(strategy: str | tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    fabric = _fabric(_strategy(strategy))
+    original = _model()
+    model, optimizer = fabric.setup(original, _optimizer(original, "sgd"))
+    _train(fabric, model, optimizer, 1, 1, None)
+    trained = _whole(fabric.strategy.get_module_state_dict(model))
+    fabric.strategy.teardown()  # Fabric never calls it; a loop may, to release the engine before the process ends
+    # The module the loop built holds plain whole tensors again, as after a Trainer run.
+    assert all(type(value) is torch.Tensor for value in original.state_dict().values())
+    return {"trained": trained, "after": _whole(original.state_dict())}
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["colossal_ddp", "colossal_zero2", "colossal_gemini", "colossal_fsdp", ("colossal_hybrid", {"tp_size": 1})],
+    ids=["ddp", "zero2", "gemini", "fsdp", "hybrid"],
+)
+def test_teardown_by_hand_leaves_the_module_whole(rank_pool_2, strategy):
+    for result in rank_pool_2.run(teardown_body, strategy):
+        torch.testing.assert_close(result["after"], result["trained"], rtol=0, atol=0)
