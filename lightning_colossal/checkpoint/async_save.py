@@ -20,9 +20,34 @@ them and commits it, then all ranks meet in a barrier so that none goes on (to a
 that must leave the training thread too, in that order, so ``async_save``'s future would need a second thread (or a
 callback on its executor) to run the rest anyway, and ``save_sharded`` would have to be split around its
 ``dcp.save`` call. Running ``save_sharded`` whole on one thread of our own keeps a single save path, synchronous or
-not, with the same commit and clean-up. Staging is ours too: it keeps each ``DTensor``'s sharding (mesh, placements,
-whole shape) around a host copy of its local piece, copies a tensor saved under two names (tied weights) once, and
-goes through ``distributed/device.py`` for pinned buffers and the one wait for device-to-host copies.
+not, with the same commit and clean-up. Staging is ours too ([Note: our staging rather than DCP's DefaultStager]).
+
+Each save chooses its route once, before it stages (``choose_route``): a ``ProcessRoute`` (the writer process writes
+the shard files from shared memory, [Note: a writer process for background saves]) or a ``ThreadRoute`` (the
+thread writes everything). The route allocates the staged copies and makes the shards' DCP writer; the process route
+also owns the save's shared buffers and its one retry. As DCP chooses its executor once, as a type, nothing later in
+the save asks again which way it goes.
+
+[Note: our staging rather than DCP's DefaultStager]
+torch 2.13's ``DefaultStager`` (``torch/distributed/checkpoint/staging.py``; ``dcp.async_save``'s ``AsyncStager``)
+deep-copies a state dict to host memory through its ``StateDictStager``, in shared memory with
+``StagingOptions(use_shared_memory=True)``, pinned, and, with an accelerator, off the training thread on a stream of
+its own. It covers much of ``stage`` + ``writer_process.SharedBuffers``, and was weighed and not used:
+- It does not know the disk tier's stand-ins ([Note: deferred tensors]): it would copy a stand-in's one element of
+  NaN, where ``stage`` copies the value it stands for (``stand_ins.resolve``).
+- It reuses a staged storage only for the same source storage (a weak map keyed by it): a tensor made anew for each
+  save, as the disk tier's values read back are, gets a fresh shared storage each time. ``SharedBuffers`` reuses
+  buffers by size instead; fresh ones cost 0.4 s of a 27M-parameter GPT's 0.45 s of staging (that class says).
+- Its shared storages follow torch's sharing strategy (file descriptors on Linux, handed over by multiprocessing's
+  pickler). The writer process is a plain subprocess, so that it never imports the user's ``__main__``, and maps
+  each buffer by the file-system handle ``SharedBuffers`` takes when it allocates it.
+- Its pinned and asynchronous options call ``torch.cuda``'s pinning and ``torch.Stream`` directly (its defaults raise
+  an ``AssertionError`` where no accelerator is available), past ``distributed/device.py``, the seam that the
+  fake-GPU tests substitute.
+In its favour: with an accelerator it pins the shared storage itself, so a device tensor is copied once, straight
+into shared memory, and can be staged while training goes on. Here a device tensor is staged in pinned memory and
+copied again into shared memory on the background thread (``SharedStaging.shipped``). Should that copy show in
+measurements, pin the shared buffers through ``distributed/device.py``; the stager itself would still not fit.
 
 [Note: the background save's process group]
 The thread's collectives (the id broadcast, barriers, DCP's gathers and scatters) must not interleave with the
@@ -38,6 +63,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -47,10 +73,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.checkpoint import StorageWriter
 from torch.distributed.tensor import DTensor
 
 from lightning_colossal.checkpoint import sharded, writer_process
 from lightning_colossal.checkpoint.format import CheckpointDescription
+from lightning_colossal.checkpoint.writer_messages import Job
 from lightning_colossal.distributed import collectives, device, group_cache
 from lightning_colossal.distributed.in_flight import Collective
 from lightning_colossal.engine_parts import stand_ins
@@ -77,8 +105,8 @@ def stage(state: Any, host_buffer: Callable[[int, torch.dtype, torch.device], Te
     values, ready to be read on any thread; ``DTensor``s stay ``DTensor``s of the same sharding around a host copy of
     their local piece. Other values are deep-copied. Returns once every copy has landed.
 
-    ``host_buffer(numel, dtype, beside)`` allocates each copy (shared memory for the writer process,
-    ``writer_process.SharedStaging``)."""
+    ``host_buffer(numel, dtype, beside)`` allocates each copy (a save's ``SaveRoute.host_buffer``: shared memory for
+    the writer process)."""
     pairs: list[tuple[Tensor, Tensor]] = []
     copies: dict[int, Any] = {}  # by id of the source: a tensor saved under two names is copied once
 
@@ -221,6 +249,70 @@ class BackgroundSave:
                 self.error = self.error or error
 
 
+# ------------------------------------------------------------------------------------------------------ the routes
+class SaveRoute(ABC):
+    """How one background save reaches the disk, chosen once for it (``choose_route``): where its tensors are staged
+    (``host_buffer``, ``stage``'s allocator) and which DCP writer writes its shard files (``storage_writer``: DCP's
+    file writer on the background thread when ``None``)."""
+
+    @abstractmethod
+    def host_buffer(self, numel: int, dtype: torch.dtype, beside: torch.device) -> Tensor: ...
+
+    def storage_writer(self) -> Callable[[str], StorageWriter] | None:
+        return None
+
+
+class ThreadRoute(SaveRoute):
+    """The background thread writes everything, from copies in host memory (pinned beside an accelerator)."""
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, beside: torch.device) -> Tensor:
+        return device.host_buffer(numel, dtype, beside=beside)
+
+
+class ProcessRoute(SaveRoute):
+    """The writer process writes the shard files from copies staged in shared memory, the thread the rest ([Note: a
+    writer process for background saves]). Owns the save's buffers (``writer_process.SharedStaging``) and its
+    retry: a writer process found dead when the shards are handed over is replaced, once per save (the staged
+    copies are intact, and files it may have begun are rewritten whole); a second death fails the save."""
+
+    def __init__(self, process: writer_process.WriterProcess, staging: writer_process.SharedStaging) -> None:
+        self._process = process
+        self._staging = staging
+        self._replaced = False
+
+    def host_buffer(self, numel: int, dtype: torch.dtype, beside: torch.device) -> Tensor:
+        return self._staging.host_buffer(numel, dtype, beside)
+
+    def storage_writer(self) -> Callable[[str], StorageWriter]:
+        return functools.partial(writer_process.ProcessShardWriter, process=self, staging=self._staging)
+
+    def wait_until_ready(self) -> None:
+        self._process.wait_until_ready()
+
+    def write(self, job: Job) -> list[Any]:
+        try:
+            return self._process.write(job)
+        except writer_process.WriterProcessEnded:
+            if self._replaced:
+                raise
+            replacement = writer_process.start()  # the old one may have died between saves
+            if replacement is None or replacement is self._process:
+                raise
+            self._process, self._replaced = replacement, True
+            return replacement.write(job)
+
+
+def choose_route(staged_bytes: int, ranks_per_node: int) -> SaveRoute:
+    """The route of a save staging ``staged_bytes`` on each of the node's ``ranks_per_node`` ranks: the writer
+    process where shared memory has room for them all and the process starts, else the thread (each warns once)."""
+    if writer_process.room_for(staged_bytes, ranks_per_node):
+        process = writer_process.start()
+        if process is not None:
+            return ProcessRoute(process, writer_process.staging())
+    return ThreadRoute()
+
+
+# ------------------------------------------------------------------------------------------------------ one at a time
 _in_flight: BackgroundSave | None = None  # touched by the training thread only
 
 
@@ -234,7 +326,7 @@ def save_in_background(
 ) -> BackgroundSave:
     """Stage this rank's part of a checkpoint now and write it (``sharded.save_sharded``) on a background thread,
     its shard files by the writer process where shared memory has room for the staged copies of the node's
-    ``ranks_per_node`` ranks ([Note: a writer process for background saves]).
+    ``ranks_per_node`` ranks (``choose_route``).
 
     Every rank calls this together, as for ``save_sharded``. A save still in flight is waited for first (its error
     is raised here). Returns the save; ``wait_for_background_save`` waits for it.
@@ -242,17 +334,11 @@ def save_in_background(
     global _in_flight
     wait_for_background_save()
     group = background_group(timeout)
-    process = writer_process.start() if writer_process.room_for(staged_bytes(tensor_state), ranks_per_node) else None
-    staging = writer_process.staging() if process is not None else None
-    staged_tensors = stage(tensor_state, staging.host_buffer) if staging is not None else stage(tensor_state)
+    route = choose_route(staged_bytes(tensor_state), ranks_per_node)
+    staged_tensors = stage(tensor_state, route.host_buffer)
     # Lightning's entries hold references to live objects (a callback's dict of best checkpoints, schedulers' lists).
     staged_metadata = copy.deepcopy(metadata)
-
-    shard_writer = (
-        functools.partial(writer_process.ProcessShardWriter, process=process, staging=staging)
-        if process is not None and staging is not None
-        else None
-    )
+    shard_writer = route.storage_writer()
 
     def write() -> None:
         sharded.save_sharded(

@@ -1,70 +1,47 @@
 """The checkpoint writer process: writes a background save's shard files from shared host memory.
 
 ``writer_process.py`` starts this file as a script (``python .../writer_child.py READ_FD WRITE_FD``), not as a module
-of the package, so the process imports torch and DCP's file writer and nothing else: no Lightning, no model code,
-and never the user's ``__main__`` (multiprocessing's spawn would run a training script again that lacks an
-``if __name__ == "__main__"`` guard). It also owns the messages both sides exchange; the training process imports
-it for them.
+of the package, so the process imports torch, DCP's file writer and ``writer_messages.py`` (loaded by its file) and
+nothing else: no Lightning, no model code, and never the user's ``__main__`` (multiprocessing's spawn would run a
+training script again that lacks an ``if __name__ == "__main__"`` guard).
 
-A job is one rank's share of one DCP save: the directory, DCP's file-name prefix for this rank, the write items and,
-per item, its data as a ``SharedTensor`` (a tensor in shared host memory the training process staged) or the bytes
-of a pickled object. The process runs DCP's own ``FileSystemWriter.write_data`` on them, so the files are exactly the
-ones a write in the training process would make, and answers with DCP's write results or the failure. It ends when
-the training process closes its end of the pipe, which a training process that dies does too.
+A job (``writer_messages.Job``) is one rank's share of one DCP save. The process runs DCP's own
+``FileSystemWriter.write_data`` on it, so the files are exactly the ones a write in the training process would make,
+and answers with DCP's write results or the failure. It ends when the training process closes its end of the pipe,
+which a training process that dies does too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
-import os
 import sys
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-READY = "ready"
-DONE = "done"
-FAILED = "failed"
-FORGET = "forget"  # a message instead of a job: unmap every storage (the training process has freed its pool)
+if TYPE_CHECKING or __package__:  # imported by the training process, for this file's path
+    from lightning_colossal.checkpoint import writer_messages as messages
+else:  # the writer process: the messages by their file, so that nothing of the package is imported
+    _spec = importlib.util.spec_from_file_location("writer_messages", Path(__file__).with_name("writer_messages.py"))
+    assert _spec is not None and _spec.loader is not None
+    messages = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = messages  # before it runs, as importing it would
+    _spec.loader.exec_module(messages)
+
+# The messages under the names the training process's tests and tools use.
+Job = messages.Job
+SharedTensor = messages.SharedTensor
+to_message = messages.to_message
+from_message = messages.from_message
+
+Mapped = dict[bytes, torch.UntypedStorage]  # storages mapped, by handle
 
 
-class SharedTensor(NamedTuple):
-    """A tensor in shared host memory, by the handle of its storage (torch's file-system sharing) and its view."""
-
-    manager: bytes
-    handle: bytes
-    storage_bytes: int
-    dtype: torch.dtype
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class Job(NamedTuple):
-    """One rank's share of one save: DCP's write items for ``directory`` and each item's data, in the same order."""
-
-    directory: str
-    storage_prefix: Any  # DCP's _StoragePrefix: the file names of this rank
-    items: list[Any]  # DCP's WriteItem
-    data: list[SharedTensor | bytes]
-
-
-def to_message(job: Job) -> tuple[Any, ...]:
-    """``job`` as plain tuples: pickled, the named tuples would name this module as part of the package, and
-    unpickling them here would import the package (Lightning with it: seconds and hundreds of MB)."""
-    data = [tuple(value) if isinstance(value, SharedTensor) else value for value in job.data]
-    return (job.directory, job.storage_prefix, job.items, data)
-
-
-def from_message(message: tuple[Any, ...]) -> Job:
-    directory, storage_prefix, items, data = message
-    shipped = [value if isinstance(value, bytes) else SharedTensor(*value) for value in data]
-    return Job(directory, storage_prefix, items, shipped)
-
-
-def tensor_of(shared: SharedTensor, storages: dict[bytes, torch.UntypedStorage]) -> torch.Tensor:
+def tensor_of(shared: messages.SharedTensor, storages: Mapped) -> torch.Tensor:
     """The tensor ``shared`` describes, its storage mapped unless ``storages`` holds it already (by handle)."""
     storage = storages.get(shared.handle)
     if storage is None:
@@ -73,17 +50,12 @@ def tensor_of(shared: SharedTensor, storages: dict[bytes, torch.UntypedStorage])
     return torch.empty(0, dtype=shared.dtype).set_(storage, shared.storage_offset, shared.shape, shared.stride)
 
 
-# The storages mapped by the last job, by handle: the training process reuses its staging buffers from save to save
-# (``writer_process.SharedBuffers``), and a mapping kept saves its page faults at the next save.
-_mapped: dict[bytes, torch.UntypedStorage] = {}
-
-
 class _ShippedData:
     """The save planner's ``resolve_data`` for DCP's file writer: the data the training process resolved."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: messages.Job, mapped: Mapped) -> None:
         self._data = {
-            item.index: io.BytesIO(value) if isinstance(value, bytes) else tensor_of(value, _mapped)
+            item.index: io.BytesIO(value) if isinstance(value, bytes) else tensor_of(value, mapped)
             for item, value in zip(job.items, job.data, strict=True)
         }
 
@@ -91,42 +63,50 @@ class _ShippedData:
         return self._data[write_item.index]
 
 
-def write(job: Job) -> list[Any]:
-    """Write ``job``'s files with DCP's own writer; returns its write results."""
+def write(job: messages.Job, mapped: Mapped) -> list[Any]:
+    """Write ``job``'s files with DCP's own writer; returns its write results. ``mapped``: the storages mapped so far
+    (by handle), added to."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
     writer = FileSystemWriter(job.directory, per_thread_copy_ahead=0)
     plan = SavePlan(items=job.items, storage_data=job.storage_prefix)
-    return writer.write_data(plan, _ShippedData(job)).wait()  # type: ignore[arg-type]
+    return writer.write_data(plan, _ShippedData(job, mapped)).wait()  # type: ignore[arg-type]
+
+
+def answer(message: messages.Job | messages.Forget, mapped: Mapped) -> messages.Reply:
+    """The reply to one message. ``mapped`` keeps the storages of the last job mapped: the training process reuses
+    its staging buffers from save to save (``writer_process.SharedBuffers``), and a mapping kept saves its page
+    faults at the next save."""
+    if isinstance(message, messages.Forget):
+        mapped.clear()
+        return messages.Reply(messages.DONE, [])
+    try:
+        reply = messages.Reply(messages.DONE, write(message, mapped))
+    except BaseException as error:  # answered, not raised: the training process raises it, naming the save
+        reply = messages.Reply(messages.FAILED, None, type(error).__name__, str(error), traceback.format_exc())
+    # Storages this job did not use were freed by the training process: unmapped, their memory goes.
+    used = {value.handle for value in message.data if isinstance(value, messages.SharedTensor)}
+    for handle in [handle for handle in mapped if handle not in used]:
+        del mapped[handle]
+    return reply
 
 
 def serve(jobs: Connection, replies: Connection) -> None:
-    """Answer jobs until the training process closes the pipe."""
+    """Answer messages until the training process closes the pipe."""
     try:
-        replies.send((READY, os.getpid()))
+        messages.send(replies, messages.Reply(messages.READY))
     except OSError:
         return  # the training process ended (a run that failed at its first step) while this one imported torch
+    mapped: Mapped = {}
     while True:
         try:
-            message = jobs.recv()
+            message = messages.receive(jobs)
         except EOFError:
             return  # the training process ended, normally or not
-        if message == FORGET:
-            _mapped.clear()
-            answer: tuple[Any, ...] = (DONE, [])
-        else:
-            job = from_message(message)
-            try:
-                answer = (DONE, write(job))
-            except BaseException as error:  # answered, not raised: the training process raises it, naming the save
-                answer = (FAILED, type(error).__name__, str(error), traceback.format_exc())
-            # Storages this job did not use were freed by the training process: unmapped, their memory goes.
-            used = {value.handle for value in job.data if isinstance(value, SharedTensor)}
-            for handle in [handle for handle in _mapped if handle not in used]:
-                del _mapped[handle]
+        reply = answer(message, mapped)
         try:
-            replies.send(answer)
+            messages.send(replies, reply)
         except OSError:
             return  # the training process ended while this job was written (BrokenPipeError)
 

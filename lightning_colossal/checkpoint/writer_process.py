@@ -35,7 +35,7 @@ import threading
 import warnings
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
 
 from lightning_colossal.checkpoint import writer_child
-from lightning_colossal.checkpoint.writer_child import SharedTensor
+from lightning_colossal.checkpoint.writer_messages import DONE, Forget, Job, Reply, SharedTensor, receive, send
 from lightning_colossal.distributed import device
 
 SHARED_MEMORY = Path("/dev/shm")
@@ -158,7 +158,7 @@ class WriterProcess:
         parent_reads, child_writes = os.pipe()
         environment = dict(os.environ)
         # It only reads host memory (DCP's writer would otherwise look for a GPU), and it imports nothing of the
-        # package (``writer_child.to_message``), so it needs no path to it.
+        # package (``writer_messages.py``), so it needs no path to it.
         environment.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
         try:
             self._process = subprocess.Popen(
@@ -186,9 +186,9 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def _receive(self) -> tuple[Any, ...]:
+    def _receive(self) -> Reply:
         try:
-            return self._replies.recv()
+            return receive(self._replies)
         except (EOFError, OSError) as error:
             code = self._process.wait()
             raise WriterProcessEnded(
@@ -206,7 +206,7 @@ class WriterProcess:
             self._receive()
             self._ready = True
 
-    def write(self, job: writer_child.Job) -> list[Any]:
+    def write(self, job: Job) -> list[Any]:
         """Have the process write ``job``; returns DCP's write results.
 
         Raises:
@@ -215,20 +215,19 @@ class WriterProcess:
         """
         self.wait_until_ready()
         try:
-            self._jobs.send(writer_child.to_message(job))
+            send(self._jobs, job)
         except OSError as error:
             self._receive()  # names the exit code when the process is gone
             raise WriterProcessFailed(f"cannot hand the save to the checkpoint writer process: {error}") from error
         reply = self._receive()
-        if reply[0] == writer_child.DONE:
-            return reply[1]
-        _, kind, message, trace = reply
-        raise WriterProcessFailed(f"{kind}: {message} (in the checkpoint writer process)\n{trace}")
+        if reply.status == DONE:
+            return reply.results or []
+        raise WriterProcessFailed(reply.failure())
 
     def forget(self) -> None:
         """Have the process unmap every staging buffer it keeps mapped (``SharedBuffers.clear`` freed them here)."""
         if self._ready and self.alive():
-            self._jobs.send(writer_child.FORGET)
+            send(self._jobs, Forget())
             self._receive()
 
     def close(self, timeout: float = 30.0) -> None:
@@ -242,94 +241,123 @@ class WriterProcess:
         self._replies.close()
 
 
-_process: WriterProcess | None = None
-_lock = threading.Lock()  # started on the training thread, replaced on a background thread
-_warned: set[str] = set()
-_buffers = SharedBuffers()
+# ------------------------------------------------------------------------------------------------------ one per process
+class WriterService:
+    """What this training process keeps for its background saves from one to the next: its writer process, the
+    staging buffers of the last save (``SharedBuffers``) and the warnings already given. One per process
+    (``_service``, reached through the functions below): a process has one writer process, whichever strategy saves.
+    Each save takes what it needs as a route (``async_save.choose_route``)."""
+
+    def __init__(self) -> None:
+        self.buffers = SharedBuffers()
+        self.warned: set[str] = set()
+        self._process: WriterProcess | None = None
+        self._lock = threading.Lock()  # started on the training thread, replaced on a background thread
+
+    def start(self) -> WriterProcess | None:
+        with self._lock:
+            if self._process is not None and self._process.alive():
+                return self._process
+            if self._process is not None and not self._process.ready:
+                return None  # it ended before it could work once (warned then): saves stay on their thread
+            try:
+                self._process = WriterProcess()
+            except (OSError, ValueError) as error:  # ValueError: pass_fds where the platform has none (Windows)
+                self._process = None
+                self.warn_once(
+                    "start",
+                    f"lightning_colossal could not start its checkpoint writer process ({error}); background saves"
+                    " are written on a thread of the training process instead, which slows training more while they"
+                    " are written.",
+                )
+            return self._process
+
+    def release_staging(self) -> None:
+        self.buffers.clear()
+        with self._lock:
+            process = self._process
+        if process is not None:
+            try:
+                process.forget()
+            except (WriterProcessFailed, OSError):
+                pass  # it ended: its mappings went with it
+
+    def stop(self) -> None:
+        self.buffers.clear()
+        with self._lock:
+            process, self._process = self._process, None
+        if process is not None:
+            process.close()
+
+    def room_for(self, staged_bytes: int, ranks_per_node: int) -> bool:
+        free = shared_memory_free_bytes()
+        if free is None:
+            return False  # no /dev/shm (macOS, Windows): the thread writes, as it always did there
+        needed = max(0, staged_bytes - self.buffers.kept_bytes()) * max(1, ranks_per_node)
+        if free >= needed:
+            return True
+        self.warn_once(
+            "room",
+            f"Background checkpoint saves need {needed:,} more bytes of shared memory to be written by a process of"
+            f" their own ({staged_bytes:,} per rank x {ranks_per_node} ranks on this node), and {SHARED_MEMORY} has"
+            f" {free:,} bytes free: they are written on a thread of the training process instead, which slows"
+            " training more while they are written. In a container, raise its shared memory (docker run"
+            " --shm-size=..., a Kubernetes emptyDir with medium Memory).",
+        )
+        return False
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, stacklevel=4)
 
 
-def staging() -> SharedStaging:
-    """The buffers of a new background save, from those the previous one used."""
-    return SharedStaging(_buffers)
-
-
-def release_staging() -> None:
-    """Free the staging buffers kept for the next save, here and in the writer process (the end of a fit; no save
-    may be in flight)."""
-    _buffers.clear()
-    with _lock:
-        process = _process
-    if process is not None:
-        try:
-            process.forget()
-        except (WriterProcessFailed, OSError):
-            pass  # it ended: its mappings went with it
+_service = WriterService()
 
 
 def start() -> WriterProcess | None:
     """The process's writer process, started now if there is none or it ended; ``None`` (with a warning once) where
     none can start: background saves are then written on their thread."""
-    global _process
-    with _lock:
-        if _process is not None and _process.alive():
-            return _process
-        if _process is not None and not _process.ready:
-            return None  # it ended before it could work once (warned then): saves stay on their thread
-        try:
-            _process = WriterProcess()
-        except (OSError, ValueError) as error:  # ValueError: pass_fds where the platform has none (Windows)
-            _process = None
-            _warn_once(
-                "start",
-                f"lightning_colossal could not start its checkpoint writer process ({error}); background saves are"
-                " written on a thread of the training process instead, which slows training more while they are"
-                " written.",
-            )
-        return _process
+    return _service.start()
+
+
+def staging() -> SharedStaging:
+    """The buffers of a new background save, from those the previous one used."""
+    return SharedStaging(_service.buffers)
+
+
+def release_staging() -> None:
+    """Free the staging buffers kept for the next save, here and in the writer process (the end of a fit; no save
+    may be in flight)."""
+    _service.release_staging()
 
 
 def stop() -> None:
     """End the writer process, if any, and free the staging buffers (tests; a process that exits ends it anyway)."""
-    global _process
-    _buffers.clear()
-    with _lock:
-        process, _process = _process, None
-    if process is not None:
-        process.close()
+    _service.stop()
 
 
 def room_for(staged_bytes: int, ranks_per_node: int) -> bool:
     """Whether shared memory has room for ``staged_bytes`` from each of ``ranks_per_node`` ranks saving at once, less
     what the previous save's buffers, already there, provide; warns once where it has not."""
-    free = shared_memory_free_bytes()
-    if free is None:
-        return False  # no /dev/shm (macOS, Windows): the thread writes, as it always did there
-    needed = max(0, staged_bytes - _buffers.kept_bytes()) * max(1, ranks_per_node)
-    if free >= needed:
-        return True
-    _warn_once(
-        "room",
-        f"Background checkpoint saves need {needed:,} more bytes of shared memory to be written by a process of their"
-        f" own ({staged_bytes:,} per rank x {ranks_per_node} ranks on this node), and {SHARED_MEMORY} has {free:,} bytes"
-        " free: they are written on a thread of the training process instead, which slows training more while they"
-        " are written. In a container, raise its shared memory (docker run --shm-size=..., a Kubernetes emptyDir"
-        " with medium Memory).",
-    )
-    return False
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
+    return _service.room_for(staged_bytes, ranks_per_node)
 
 
 # ------------------------------------------------------------------------------------------------------ DCP's writer
+class HandsOver(Protocol):
+    """What ``ProcessShardWriter`` hands a job to: a ``WriterProcess``, or a save's route to one
+    (``async_save.ProcessRoute``, which replaces a process that died)."""
+
+    def wait_until_ready(self) -> None: ...
+
+    def write(self, job: Job) -> list[Any]: ...
+
+
 class ProcessShardWriter(FileSystemWriter):
     """DCP's file writer whose ``write_data`` has the writer process write this rank's files: the same files, the
     same write results, from the background thread that runs the save."""
 
-    def __init__(self, path: str | os.PathLike[str], process: WriterProcess, staging: SharedStaging) -> None:
+    def __init__(self, path: str | os.PathLike[str], process: HandsOver, staging: SharedStaging) -> None:
         super().__init__(path, per_thread_copy_ahead=0)
         self._writer_process = process
         self._staging = staging
@@ -339,26 +367,14 @@ class ProcessShardWriter(FileSystemWriter):
             self._writer_process.wait_until_ready()
         except WriterProcessFailed as error:
             # It never started working (a broken interpreter, say): write here rather than fail every save.
-            _warn_once("ready", f"{error}; background saves are written on a thread of the training process instead.")
+            _service.warn_once(
+                "ready", f"{error}; background saves are written on a thread of the training process instead."
+            )
             self._staging.written()
             return super().write_data(plan, planner)
         try:
-            job = writer_child.Job(
-                directory=str(self.path),
-                storage_prefix=plan.storage_data,
-                items=list(plan.items),
-                data=[self._staging.shipped(planner.resolve_data(item)) for item in plan.items],
-            )
-            try:
-                results = self._writer_process.write(job)
-            except WriterProcessEnded:
-                # Once more, on a new process: the old one may have died between saves. The staged copies are
-                # intact and the files it may have begun are rewritten whole.
-                replacement = start()
-                if replacement is None or replacement is self._writer_process:
-                    raise
-                self._writer_process = replacement
-                results = replacement.write(job)
+            data = [self._staging.shipped(planner.resolve_data(item)) for item in plan.items]
+            results = self._writer_process.write(Job(str(self.path), plan.storage_data, list(plan.items), data))
         finally:
             self._staging.written()
         future: Future[list[Any]] = Future()

@@ -87,7 +87,7 @@ def test_a_background_save_through_the_writer_process_holds_what_a_synchronous_s
     free = writer_process.shared_memory_free_bytes
     try:  # the buffers kept count as room: a full /dev/shm still takes a save that reuses them all
         writer_process.shared_memory_free_bytes = lambda: 0
-        writer_process._warned.discard("room")
+        writer_process._service.warned.discard("room")
         assert writer_process.room_for(async_save.staged_bytes(state), ranks_per_node=8)
         with pytest.warns(UserWarning, match="more bytes of shared memory"):
             assert not writer_process.room_for(async_save.staged_bytes(state) + 4096, ranks_per_node=8)
@@ -213,7 +213,7 @@ def test_a_writer_process_that_dies_is_replaced_once_per_save_and_a_second_death
 
 def test_too_little_shared_memory_writes_on_the_thread_and_says_how_to_get_more(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_process, "shared_memory_free_bytes", lambda: 1024)
-    monkeypatch.setattr(writer_process, "_warned", set())
+    monkeypatch.setattr(writer_process._service, "warned", set())
     started = []
     monkeypatch.setattr(writer_process, "start", lambda: started.append(True))
     state = a_state()
@@ -226,8 +226,9 @@ def test_too_little_shared_memory_writes_on_the_thread_and_says_how_to_get_more(
 
 
 def test_the_room_needed_counts_every_rank_of_the_node(monkeypatch):
-    monkeypatch.setattr(writer_process, "_buffers", writer_process.SharedBuffers())  # none kept from other tests
-    monkeypatch.setattr(writer_process, "_warned", {"room"})
+    # none kept from other tests
+    monkeypatch.setattr(writer_process._service, "buffers", writer_process.SharedBuffers())
+    monkeypatch.setattr(writer_process._service, "warned", {"room"})
     monkeypatch.setattr(writer_process, "shared_memory_free_bytes", lambda: 1000)
     assert writer_process.room_for(500, ranks_per_node=2)
     assert not writer_process.room_for(501, ranks_per_node=2)
@@ -239,7 +240,7 @@ def test_the_room_needed_counts_every_rank_of_the_node(monkeypatch):
 def test_without_shared_memory_saves_are_written_on_the_thread_quietly(tmp_path, monkeypatch):
     """macOS and Windows have no /dev/shm: the thread writes, as it always did there, and nothing warns."""
     monkeypatch.setattr(writer_process, "shared_memory_free_bytes", lambda: None)
-    monkeypatch.setattr(writer_process, "_warned", set())
+    monkeypatch.setattr(writer_process._service, "warned", set())
     monkeypatch.setattr(writer_process, "start", lambda: pytest.fail("no writer process is asked for"))
     state = a_state()
     with warnings.catch_warnings(record=True) as caught:
