@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 from lightning_colossal.config.data_parallel import ZeroConfig
 
@@ -104,9 +104,49 @@ class SplitGather:
     tensor-parallel group (all-gather before column-parallel layers, reduce-scatter after row-parallel ones); needs
     ``tp_size > 1``."""
 
+    #: The mode's one name: ``sequence_parallel=`` takes it, and messages and listings say it.
+    name: ClassVar[str] = "split_gather"
+    #: Which tokens each rank holds ([Note: sequence layouts] in ``parallel/sequence_layout.py``): contiguous
+    #: slices, over the tensor-parallel ranks.
+    layout: ClassVar[str] = "contiguous"
+    #: No ``sp`` axis: the shards are the tensor-parallel ranks'.
+    sp_size: ClassVar[int] = 1
+
+    @classmethod
+    def from_sp_size(cls, sp_size: int) -> SplitGather:
+        """The mode as the flat ``sequence_parallel="split_gather"`` / ``sp_size`` pair describes it."""
+        if sp_size > 1:
+            raise ValueError(
+                f"sp_size={sp_size} is the Ulysses axis, but sequence_parallel='split_gather' runs on the"
+                " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
+            )
+        return cls()
+
 
 @dataclass(frozen=True, kw_only=True)
-class AllToAll:
+class _SequenceAxis:
+    """A mode over the ``sp`` axis of the mesh: each of its ``sp_size`` ranks holds a share of every sequence."""
+
+    name: ClassVar[str]
+    layout: ClassVar[str]
+    sp_size: int
+
+    def __post_init__(self) -> None:
+        _check_size("sp_size", self.sp_size)
+        if self.sp_size == 1:
+            raise ValueError(f"sequence_parallel={self.name!r} needs sp_size > 1: set sp_size (e.g. 2).")
+
+    @classmethod
+    def from_sp_size(cls: type[_Axis], sp_size: int) -> _Axis:
+        """The mode as the flat ``sequence_parallel`` / ``sp_size`` pair describes it."""
+        return cls(sp_size=sp_size)
+
+
+_Axis = TypeVar("_Axis", bound=_SequenceAxis)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAll(_SequenceAxis):
     """Ulysses sequence parallelism: each rank of the ``sp`` axis holds a slice of the sequence, and attention
     exchanges heads for sequence with two all-to-alls.
 
@@ -114,16 +154,12 @@ class AllToAll:
         sp_size: sequence-parallel ranks (at least 2).
     """
 
-    sp_size: int
-
-    def __post_init__(self) -> None:
-        _check_size("sp_size", self.sp_size)
-        if self.sp_size == 1:
-            raise ValueError("sequence_parallel='all_to_all' needs sp_size > 1: set sp_size (e.g. 2).")
+    name: ClassVar[str] = "all_to_all"
+    layout: ClassVar[str] = "contiguous"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Ring:
+class Ring(_SequenceAxis):
     """Ring attention (context parallelism): each rank of the ``sp`` axis holds two zigzag chunks of the sequence
     (balanced causal work) and attention passes key/value blocks around the ring, so no rank ever holds the whole
     sequence's activations; composes with tensor and pipeline parallelism and ZeRO. The sequence length must divide
@@ -133,16 +169,18 @@ class Ring:
         sp_size: ranks of the ring (at least 2).
     """
 
-    sp_size: int
-
-    def __post_init__(self) -> None:
-        _check_size("sp_size", self.sp_size)
-        if self.sp_size == 1:
-            raise ValueError("sequence_parallel='ring' needs sp_size > 1: set sp_size (e.g. 2).")
+    name: ClassVar[str] = "ring"
+    layout: ClassVar[str] = "zigzag"
 
 
-#: How the sequence dimension is split, if at all (``None``: not split).
+#: How the sequence dimension is split, if at all (``None``: not split). Each mode owns its name, its layout and its
+#: ``sp_size``; ``parallel/`` dispatches on the type.
 SequenceParallelism = SplitGather | AllToAll | Ring
+#: Every mode, by its name (``sequence_parallel=``); a new mode is one more class here and in the two lines above.
+SEQUENCE_PARALLEL_MODES: dict[str, type[SequenceParallelism]] = {
+    mode.name: mode for mode in (SplitGather, AllToAll, Ring)
+}
+assert set(get_args(SequenceParallelMode)) == set(SEQUENCE_PARALLEL_MODES), "SequenceParallelMode lists every mode"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,7 +229,8 @@ class HybridConfig:
     Args:
         tp_size: tensor-parallel ranks (attention heads, MLP width and vocabulary are split over them).
         pipeline: the pipeline settings (``PipelineConfig``, which holds ``pp_size``), or ``None`` for no pipeline.
-        sequence_parallelism: ``SplitGather()``, ``AllToAll(sp_size=...)``, or ``None`` for no sequence parallelism.
+        sequence_parallelism: ``SplitGather()``, ``AllToAll(sp_size=...)``, ``Ring(sp_size=...)``, or ``None`` for no
+            sequence parallelism.
         data_parallel: the reduction over the data-parallel (and Ulysses) ranks: ``GradientAveraging(...)``
             (``zero_stage=0``) or a ``ZeroConfig`` (ZeRO-1/2; stage 2 not with a pipeline).
         expert_parallelism: ``ExpertParallel(ep_size=...)`` to split mixture-of-experts layers' experts over
@@ -306,8 +345,8 @@ class HybridConfig:
 
     @property
     def sp_size(self) -> int:
-        """Sequence-parallel ranks of the ``sp`` axis, Ulysses' or the ring's (1 without ``AllToAll`` or ``Ring``)."""
-        return self.sequence_parallelism.sp_size if isinstance(self.sequence_parallelism, (AllToAll, Ring)) else 1
+        """Sequence-parallel ranks of the ``sp`` axis, Ulysses' or the ring's (1 without one, or with split-gather)."""
+        return 1 if self.sequence_parallelism is None else self.sequence_parallelism.sp_size
 
     @property
     def ep_size(self) -> int:
@@ -332,20 +371,13 @@ class HybridConfig:
 
 def _sequence_parallelism(sp_size: int, mode: SequenceParallelMode | None) -> SequenceParallelism | None:
     """The flat ``sp_size`` / ``sequence_parallel`` pair as one setting (``sp_size > 1`` alone means Ulysses)."""
-    if mode not in (None, "split_gather", "all_to_all", "ring"):
-        raise ValueError(f"sequence_parallel={mode!r}: pass None, 'split_gather', 'all_to_all' or 'ring'.")
-    if mode == "split_gather":
-        if sp_size > 1:
-            raise ValueError(
-                f"sp_size={sp_size} is the Ulysses axis, but sequence_parallel='split_gather' runs on the"
-                " tensor-parallel ranks: use sp_size=1 with 'split_gather', or sequence_parallel='all_to_all'."
-            )
-        return SplitGather()
-    if mode == "ring":
-        return Ring(sp_size=sp_size)
-    if mode == "all_to_all" or sp_size > 1:
-        return AllToAll(sp_size=sp_size)
-    return None
+    if mode is None:
+        return AllToAll(sp_size=sp_size) if sp_size > 1 else None
+    kind = SEQUENCE_PARALLEL_MODES.get(mode) if isinstance(mode, str) else None
+    if kind is None:
+        names = [repr(name) for name in SEQUENCE_PARALLEL_MODES]
+        raise ValueError(f"sequence_parallel={mode!r}: pass None, {', '.join(names[:-1])} or {names[-1]}.")
+    return kind.from_sp_size(sp_size)
 
 
 def _expert_parallelism(ep_size: int) -> ExpertParallel | None:

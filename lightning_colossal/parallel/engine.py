@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_colossal.config import HybridConfig, Ring, SplitGather, ZeroConfig
+from lightning_colossal.config import HybridConfig, ZeroConfig
 from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts import sharded_state
 from lightning_colossal.engine_parts.meta_init import has_meta_tensors
@@ -76,8 +76,7 @@ class HybridEngine:
             tp_group=groups.tp_group,
             tp_mesh=groups.tp_mesh,
             sp_group=groups.sp_group,
-            split_gather=isinstance(config.sequence_parallelism, SplitGather),
-            sequence_layout="zigzag" if isinstance(config.sequence_parallelism, Ring) else "contiguous",
+            sequence=config.sequence_parallelism,  # the typed mode, carried as it is to the policies
         )
         #: The pipeline part (``pp_size > 1`` only).
         self.pipeline: PipelineStep | None = None

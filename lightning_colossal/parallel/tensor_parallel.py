@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_colossal.config import AllToAll, Ring, SequenceParallelism, SplitGather
 from lightning_colossal.distributed import collectives, differentiable
 from lightning_colossal.engine_parts.sharded_state import piece_of_whole
 
@@ -66,7 +67,7 @@ class TensorParallelPlacement:
         return [block * unit for block in blocks]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ParallelContext:
     """The groups a parallelised model talks to, and which sequence parallelism it runs.
 
@@ -74,16 +75,34 @@ class ParallelContext:
         tp_group: tensor-parallel group (``None`` when tp_size is 1).
         tp_mesh: 1-D mesh of the tensor-parallel ranks (for DTensor logits and checkpoint descriptions).
         sp_group: sequence-parallel group, Ulysses' or the ring's (``None`` when sp_size is 1).
-        split_gather: activations between layers are sequence shards over the tensor-parallel ranks.
-        sequence_layout: which tokens each ``sp_group`` rank holds: ``"contiguous"`` under Ulysses, ``"zigzag"`` under
-            ring attention ([Note: sequence layouts] in ``sequence_layout.py``); policies choose the attention by it.
+        sequence: the sequence-parallel mode, the config's own object (``SplitGather()``, ``AllToAll(...)``,
+            ``Ring(...)``), or ``None``. Policies dispatch on its type and read its ``layout``; nothing re-infers it.
+        split_gather: for contexts built by hand (tests, benchmarks): ``True`` means ``sequence=SplitGather()``.
+        sequence_layout: for contexts built by hand: the layout of the mode over ``sp_group``, ``"contiguous"``
+            (``AllToAll``, also what an ``sp_group`` alone means) or ``"zigzag"`` (``Ring``).
     """
 
     tp_group: ProcessGroup | None
     tp_mesh: DeviceMesh | None
     sp_group: ProcessGroup | None
-    split_gather: bool = False
-    sequence_layout: str = "contiguous"
+    sequence: SequenceParallelism | None
+
+    def __init__(
+        self,
+        tp_group: ProcessGroup | None,
+        tp_mesh: DeviceMesh | None,
+        sp_group: ProcessGroup | None,
+        sequence: SequenceParallelism | None = None,
+        *,
+        split_gather: bool = False,
+        sequence_layout: str | None = None,
+    ) -> None:
+        if sequence is None:
+            sequence = _mode_built_by_hand(sp_group, split_gather, sequence_layout)
+        object.__setattr__(self, "tp_group", tp_group)
+        object.__setattr__(self, "tp_mesh", tp_mesh)
+        object.__setattr__(self, "sp_group", sp_group)
+        object.__setattr__(self, "sequence", sequence)
 
     @property
     def tp_size(self) -> int:
@@ -102,9 +121,40 @@ class ParallelContext:
         return collectives.rank(self.sp_group) if self.sp_group is not None else 0
 
     @property
+    def split_gather(self) -> bool:
+        """Whether activations between layers are sequence shards over the tensor-parallel ranks (``SplitGather``)."""
+        return isinstance(self.sequence, SplitGather)
+
+    @property
+    def sequence_layout(self) -> str:
+        """Which tokens each ``sp_group`` rank holds: the mode's own ``layout`` ([Note: sequence layouts] in
+        ``sequence_layout.py``)."""
+        return "contiguous" if self.sequence is None else self.sequence.layout
+
+    @property
     def ring(self) -> bool:
-        """Whether attention runs as ring attention over ``sp_group`` (``sequence_parallel="ring"``)."""
-        return self.sp_size > 1 and self.sequence_layout == "zigzag"
+        """Whether attention runs as ring attention over ``sp_group`` (``Ring``)."""
+        return isinstance(self.sequence, Ring) and self.sp_size > 1
+
+    def tensor_parallel_only(self) -> ParallelContext:
+        """This context without sequence parallelism: what the tensor-parallel split runs under, before the mode's
+        own step attaches it."""
+        return ParallelContext(self.tp_group, self.tp_mesh, None)
+
+
+def _mode_built_by_hand(
+    sp_group: ProcessGroup | None, split_gather: bool, sequence_layout: str | None
+) -> SequenceParallelism | None:
+    """The mode a context built by hand describes with the older keywords (the engine passes ``sequence``)."""
+    if split_gather:
+        return SplitGather()
+    size = collectives.world_size(sp_group) if sp_group is not None else 1
+    if size == 1:
+        return None
+    modes = [mode for mode in (AllToAll, Ring) if mode.layout == (sequence_layout or "contiguous")]
+    if not modes:
+        raise ValueError(f"sequence_layout={sequence_layout!r}: pass 'contiguous' (Ulysses) or 'zigzag' (ring).")
+    return modes[0](sp_size=size)
 
 
 def shard_of(full: Tensor, placement: TensorParallelPlacement, rank: int, size: int) -> Tensor:

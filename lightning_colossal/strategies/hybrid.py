@@ -2,7 +2,7 @@
 
 The engine (``lightning_colossal.parallel``) parallelises the model a policy knows; this adapter wires it into
 Lightning: groups from the strategy's device mesh, the sampler over the data-parallel axis only, ``loss_parallel``
-around every step under tensor parallelism, the sequence split under Ulysses, and with ``pp_size > 1`` the
+around every step under tensor parallelism, the sequence split under Ulysses and ring, and with ``pp_size > 1`` the
 pipeline schedule in place of ``training_step`` (see ``docs/hybrid.md``, "LightningModules for pipelines").
 """
 
@@ -23,7 +23,6 @@ from lightning_colossal.config import (
     HybridConfig,
     PipelineConfig,
     PipelineSchedule,
-    Ring,
     SequenceParallelMode,
     ZeroConfig,
 )
@@ -209,11 +208,11 @@ class HybridParallelStrategy(EngineStrategy[HybridEngine]):
     def _with_split_batch(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Ulysses and ring: each sequence-parallel rank takes its share of every ``[batch, sequence, ...]`` tensor (a
         slice under Ulysses, two zigzag chunks under ring: [Note: sequence layouts] in parallel/sequence_layout.py)."""
-        sp_size = self.hybrid_config.sp_size
-        if not args or sp_size == 1:
+        mode = self.hybrid_config.sequence_parallelism
+        if not args or mode is None or mode.sp_size == 1:
             return args
-        layout = "zigzag" if isinstance(self.hybrid_config.sequence_parallelism, Ring) else "contiguous"
-        return (split_sequence(args[0], sp_size, self.device_mesh["sp"].get_local_rank(), layout), *args[1:])
+        rank = self.device_mesh["sp"].get_local_rank()
+        return (split_sequence(args[0], mode.sp_size, rank, mode.layout), *args[1:])
 
     def _pipeline(self) -> PipelineStep:
         assert self.engine is not None and self.engine.pipeline is not None

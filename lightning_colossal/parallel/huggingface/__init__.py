@@ -9,8 +9,10 @@
 - ``families``: one declarative ``FamilyPlan`` per family without a usable plan (OPT, ViT, T5, Switch, BLOOM,
   Falcon, Phi-3), applied through ``parallel/plan_policy.py``.
 - ``gpt2``, ``bert``: the policies of models whose split needs more than a plan (GPT-2's fused ``Conv1D``, BERT).
+- ``sequence_modes``: the one sequence-parallel step of the policies above (``parallelize_with_sequence``): their
+  tensor-parallel split alone, then the mode's attach step, looked up by the mode's type.
 - ``sequence``: Ulysses and ring sequence parallelism through ``transformers``' attention interface, for every family
-  whose attention goes through it; the policies above attach it after their tensor-parallel split.
+  whose attention goes through it.
 - ``base_model``: the base model inside a task model, which every policy here splits.
 
 No module imports ``transformers`` when imported: each policy imports it when asked whether it accepts a module.

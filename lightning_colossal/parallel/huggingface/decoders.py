@@ -19,7 +19,6 @@ hands it over.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -29,12 +28,8 @@ from torch import Tensor, nn
 
 from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import base_model, no_cache
-from lightning_colossal.parallel.huggingface.sequence import (
-    attach_sequence_parallelism,
-    refuse_pipeline_stages,
-    without_sequence_parallelism,
-)
-from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
+from lightning_colossal.parallel.huggingface.sequence import refuse_pipeline_stages
+from lightning_colossal.parallel.huggingface.sequence_modes import parallelize_with_sequence
 from lightning_colossal.parallel.plan_policy import PlanPolicy
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import (
@@ -78,10 +73,10 @@ class HuggingFacePlanPolicy(ModelPolicy):
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         internals.warn_if_untested()
-        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
-            plan = self.parallelize(model, without_sequence_parallelism(context))
-            attach_sequence_parallelism(model, context, plan)
-            return plan
+        return parallelize_with_sequence(model, context, lambda tensor_parallel: self._split(model, tensor_parallel))
+
+    def _split(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        """Tensor parallelism alone (``context`` has no sequence parallelism)."""
         config = model.config  # type: ignore[attr-defined]
         base, prefix = base_model(model)
         heads = tuple(
@@ -100,21 +95,8 @@ class HuggingFacePlanPolicy(ModelPolicy):
                 " that splits its layers."
             ),
         )
-        if not context.split_gather:
-            plan = plan_policy.parallelize(model, context)
-            self._split_head(model, base, context, plan)
-            return plan
-        return self._parallelize_split_gather(model, base, plan_policy, context)
-
-    def _parallelize_split_gather(
-        self, model: nn.Module, base: nn.Module, plan_policy: PlanPolicy, context: ParallelContext
-    ) -> ParallelPlan:
-        """Megatron sequence parallelism (``split_gather.py`` [Note: split-gather on Hugging Face decoders]): split
-        for tensor parallelism alone, then the family's layout turns it into split-gather."""
-        layout = layout_for(model)
-        plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
+        plan = plan_policy.parallelize(model, context)
         self._split_head(model, base, context, plan)
-        attach_split_gather(model, base, layout, context, plan)
         return plan
 
     @staticmethod

@@ -34,7 +34,6 @@ head, and its gradient is summed over the ranks.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,8 +44,7 @@ from torch import nn
 from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import base_model
 from lightning_colossal.parallel.huggingface.decoders import HuggingFacePlanPolicy
-from lightning_colossal.parallel.huggingface.sequence import attach_sequence_parallelism, without_sequence_parallelism
-from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
+from lightning_colossal.parallel.huggingface.sequence_modes import parallelize_with_sequence
 from lightning_colossal.parallel.plan_policy import FusedColumns, PlanPolicy, module_pattern
 from lightning_colossal.parallel.policy import ModelPolicy, ParallelPlan
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
@@ -209,10 +207,10 @@ class FamilyPlanPolicy(ModelPolicy):
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         internals.warn_if_untested()
-        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
-            plan = self.parallelize(model, without_sequence_parallelism(context))
-            attach_sequence_parallelism(model, context, plan)
-            return plan
+        return parallelize_with_sequence(model, context, lambda tensor_parallel: self._split(model, tensor_parallel))
+
+    def _split(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        """Tensor parallelism alone (``context`` has no sequence parallelism)."""
         if context.tp_size == 1:
             return ParallelPlan()  # nothing to split, and no config variant to refuse
         config = model.config  # type: ignore[attr-defined]
@@ -228,9 +226,7 @@ class FamilyPlanPolicy(ModelPolicy):
                 " tp_size=1, or pass policy={...} with its projections' names."
             ),
         )
-        # Split-gather: split for tensor parallelism alone, then the family's layout (``split_gather.py``).
-        layout = layout_for(model) if context.split_gather else None
-        plan = plan_policy.parallelize(model, dataclasses.replace(context, split_gather=False))
+        plan = plan_policy.parallelize(model, context)
         _divide_per_rank(base, family.head_attributes, context, _divide_attributes)
         _divide_per_rank(base, family.local_config, context, _divide_local_config)
         for pattern, (query_heads, key_value_heads) in family.key_value_groups.items():
@@ -239,8 +235,6 @@ class FamilyPlanPolicy(ModelPolicy):
         for pattern in family.per_head_biases:
             for module in _matching(base, pattern):
                 module.register_forward_pre_hook(functools.partial(_local_alibi, context), with_kwargs=True)
-        if layout is not None:
-            attach_split_gather(model, base, layout, context, plan)
         return plan
 
     # Pipelines and activation checkpointing (both need the layer stack): Phi-3's base forward is a Llama's, so the

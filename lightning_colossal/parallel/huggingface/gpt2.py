@@ -11,25 +11,18 @@ tied LM head stay whole (GPT-2's vocabulary, 50257, divides by no tensor-paralle
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor, nn
 
 from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import no_cache
-from lightning_colossal.parallel.huggingface.sequence import (
-    attach_sequence_parallelism,
-    refuse_pipeline_stages,
-    without_sequence_parallelism,
-)
-from lightning_colossal.parallel.huggingface.split_gather import attach_split_gather, layout_for
+from lightning_colossal.parallel.huggingface.sequence import refuse_pipeline_stages
+from lightning_colossal.parallel.huggingface.sequence_modes import parallelize_with_sequence
 from lightning_colossal.parallel.policy import (
     ModelPolicy,
     ParallelPlan,
     check_divisible,
     column_parallel,
-    refuse_sequence_parallel,
     row_parallel,
 )
 from lightning_colossal.parallel.tensor_parallel import ParallelContext
@@ -47,12 +40,10 @@ class GPT2Policy(ModelPolicy):
 
     def parallelize(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
         internals.warn_if_untested()
-        if context.sp_size > 1:  # Ulysses / ring through the attention interface, after the tensor-parallel split
-            plan = self.parallelize(model, without_sequence_parallelism(context))
-            attach_sequence_parallelism(model, context, plan)
-            return plan
-        if not context.split_gather:
-            refuse_sequence_parallel(context, "The GPT-2 policy")
+        return parallelize_with_sequence(model, context, lambda tensor_parallel: self._split(model, tensor_parallel))
+
+    def _split(self, model: nn.Module, context: ParallelContext) -> ParallelPlan:
+        """Tensor parallelism alone (``context`` has no sequence parallelism)."""
         config = model.config  # type: ignore[attr-defined]
         if context.tp_size > 1 and getattr(config, "add_cross_attention", False):
             raise ValueError(
@@ -68,9 +59,6 @@ class GPT2Policy(ModelPolicy):
         plan = ParallelPlan()
         if context.tp_size == 1:
             return plan
-        # Split-gather: split for tensor parallelism alone, then GPT-2's layout (``split_gather.py``).
-        layout, sequence_context = (layout_for(model), context) if context.split_gather else (None, None)
-        context = dataclasses.replace(context, split_gather=False)
         for block in _transformer(model).h:
             attention = block.attn
             attention.c_attn = column_parallel(attention.c_attn, context, plan, transposed=True, fused_parts=3)
@@ -80,8 +68,6 @@ class GPT2Policy(ModelPolicy):
             attention.num_heads //= context.tp_size
             block.mlp.c_fc = column_parallel(block.mlp.c_fc, context, plan, transposed=True)
             block.mlp.c_proj = row_parallel(block.mlp.c_proj, context, plan, transposed=True)
-        if layout is not None and sequence_context is not None:
-            attach_split_gather(model, _transformer(model), layout, sequence_context, plan)
         return plan
 
     def layers(self, model: nn.Module) -> nn.ModuleList:

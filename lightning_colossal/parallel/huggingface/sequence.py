@@ -52,7 +52,6 @@ divide are replicated instead ([Note: replicated key/value heads under Ulysses])
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import itertools
@@ -66,6 +65,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_colossal.config import AllToAll, Ring, SequenceParallelism
 from lightning_colossal.distributed import collectives, differentiable
 from lightning_colossal.parallel.huggingface import internals
 from lightning_colossal.parallel.huggingface.base_model import arguments_by_name, base_model, without_cache
@@ -85,12 +85,17 @@ _names = itertools.count()
 
 
 @dataclass(frozen=True)
-class SequenceParallelism:
-    """What one model's sequence parallelism runs: the mode, its token layout and the sp group."""
+class AttentionSequenceParallel:
+    """What one model's attention-interface sequence parallelism runs: the mode (the config's object, of a type in
+    ``ATTENTION_MODES``: ``AllToAll`` or ``Ring``, which owns its token layout) and the context holding the sp group."""
 
-    mode: str  # "ulysses" or "ring"
-    layout: str  # "contiguous" or "zigzag" (parallel/sequence_layout.py)
+    mode: SequenceParallelism
     context: ParallelContext
+
+    @property
+    def layout(self) -> str:
+        """Which tokens this rank holds (``parallel/sequence_layout.py``): the mode's own layout."""
+        return self.mode.layout
 
     @property
     def size(self) -> int:
@@ -114,22 +119,20 @@ class RingMask:
     padding: Tensor | None  # bool [batch, local_length], True for a real token; None: no padding
 
 
-def sequence_parallelism_of(context: ParallelContext) -> SequenceParallelism:
-    """The sequence parallelism ``context`` runs: its layout says which (``ParallelContext.sequence_layout``)."""
-    if context.sequence_layout == "zigzag":
-        return SequenceParallelism("ring", "zigzag", context)
-    return SequenceParallelism("ulysses", "contiguous", context)
-
-
 def uses_attention_interface(model: nn.Module) -> bool:
     """Whether ``model``'s attention goes through ``transformers``' ``AttentionInterface`` (its class says so)."""
     return bool(getattr(type(model), "_supports_attention_backend", False))
 
 
-def attach_sequence_parallelism(model: nn.Module, context: ParallelContext, plan: ParallelPlan) -> None:
-    """Install Ulysses or ring attention on a ``transformers`` model (see the module docstring); the hooks and the
-    attention swap go into ``plan.attached``. Refuses, naming the fix, what it cannot run exactly."""
-    parallelism = sequence_parallelism_of(context)
+def attach_attention_sequence_parallel(model: nn.Module, context: ParallelContext, plan: ParallelPlan) -> None:
+    """Install ``context.sequence``'s attention (Ulysses or ring) on a ``transformers`` model (see the module
+    docstring); the hooks and the attention swap go into ``plan.attached``. Refuses, naming the fix, what it cannot
+    run exactly."""
+    mode = context.sequence
+    attention_mode = ATTENTION_MODES.get(type(mode))
+    if mode is None or attention_mode is None:
+        raise TypeError(f"sequence parallelism {mode!r} does not run through the attention interface.")
+    parallelism = AttentionSequenceParallel(mode, context)
     config: Any = model.config  # type: ignore[attr-defined]
     model_type = getattr(config, "model_type", type(model).__name__)
     _check_model(model, model_type)
@@ -140,10 +143,11 @@ def attach_sequence_parallelism(model: nn.Module, context: ParallelContext, plan
             f" heads or ring blocks, but the model was loaded with attn_implementation={inner!r}: load it with"
             " attn_implementation='sdpa' (or 'eager'), or drop sp_size."
         )
-    if parallelism.mode == "ulysses":
-        _check_heads(config, context, model_type)
-    name = f"lightning_colossal_{parallelism.mode}_{next(_names)}"
-    _register(name, parallelism, inner)
+    if attention_mode.check is not None:
+        attention_mode.check(config, context, model_type)
+    name = f"lightning_colossal_{attention_mode.registered_as}_{next(_names)}"
+    attention, mask = attention_mode.functions(parallelism, inner)
+    internals.register_attention(name, attention, mask, f"Sequence parallelism ({mode.name})")
     # Every config the modules read: a family plan gives attention modules their own copy (families.py local_config).
     configs = {id(config): config}
     for module in model.modules():
@@ -159,18 +163,18 @@ def attach_sequence_parallelism(model: nn.Module, context: ParallelContext, plan
         internals.unregister_attention(name)
 
     plan.attached.changed(
-        model, f"{parallelism.mode}: config._attn_implementation {inner!r} -> {name!r} (restored on removal)", restore
+        model, f"{mode.name}: config._attn_implementation {inner!r} -> {name!r} (restored on removal)", restore
     )
     base, _ = base_model(model)
     plan.attached.before_forward(
         _embedding_owner(base),
-        f"{parallelism.mode}: global positions, no KV cache",
+        f"{mode.name}: global positions, no KV cache",
         functools.partial(_base_inputs, parallelism),
     )
     if base is not model:
         plan.attached.before_forward(
             model,
-            f"{parallelism.mode}: labels shifted over the whole sequence",
+            f"{mode.name}: labels shifted over the whole sequence",
             functools.partial(_labels, parallelism),
         )
 
@@ -193,11 +197,6 @@ def _embedding_owner(base: nn.Module) -> nn.Module:
         if embedding is not None and any(child is embedding for child in module.children()):
             return module
     return base
-
-
-def without_sequence_parallelism(context: ParallelContext) -> ParallelContext:
-    """``context`` for the tensor-parallel split alone (the plan policies refuse sp, which this module adds after)."""
-    return dataclasses.replace(context, sp_group=None)
 
 
 def refuse_pipeline_stages(context: ParallelContext) -> None:
@@ -247,16 +246,6 @@ def _check_heads(config: Any, context: ParallelContext, model_type: str) -> None
 
 
 # ------------------------------------------------------------------------------------------------ registration
-def _register(name: str, parallelism: SequenceParallelism, inner: str) -> None:
-    if parallelism.mode == "ulysses":
-        attention = functools.partial(_ulysses_attention, parallelism, inner)
-        mask = functools.partial(_ulysses_mask, parallelism, inner)
-    else:
-        attention = functools.partial(_ring_attention, parallelism)
-        mask = functools.partial(_ring_mask, parallelism)
-    internals.register_attention(name, attention, mask, f"Sequence parallelism ({parallelism.mode})")
-
-
 def _inner_attention(inner: str, module: nn.Module) -> Callable[..., Any]:
     """The attention the model was configured with: ``sdpa``, or the family's own ``eager_attention_forward``."""
     if inner == "sdpa":
@@ -272,7 +261,7 @@ def _inner_attention(inner: str, module: nn.Module) -> Callable[..., Any]:
 
 # ------------------------------------------------------------------------------------------------ Ulysses
 def _ulysses_attention(
-    parallelism: SequenceParallelism,
+    parallelism: AttentionSequenceParallel,
     inner: str,
     module: nn.Module,
     query: Tensor,
@@ -335,7 +324,7 @@ def _query_heads_per_key_head(module: nn.Module, groups: int, replicated: bool) 
 
 
 def _ulysses_mask(
-    parallelism: SequenceParallelism,
+    parallelism: AttentionSequenceParallel,
     inner: str,
     *,
     batch_size: int,
@@ -358,7 +347,7 @@ def _ulysses_mask(
 
 # ------------------------------------------------------------------------------------------------ ring
 def _ring_attention(
-    parallelism: SequenceParallelism,
+    parallelism: AttentionSequenceParallel,
     module: nn.Module,
     query: Tensor,
     key: Tensor,
@@ -407,7 +396,7 @@ def _ring_attention(
 
 
 def _ring_mask(
-    parallelism: SequenceParallelism,
+    parallelism: AttentionSequenceParallel,
     *,
     mask_function: Callable[..., Any],
     attention_mask: Tensor | None = None,
@@ -459,7 +448,9 @@ def _evaluate(mask_function: Callable[..., Any], queries: Tensor, keys: Tensor) 
 
 
 # ------------------------------------------------------------------------------------------------ hooks
-def _base_inputs(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+def _base_inputs(
+    parallelism: AttentionSequenceParallel, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+):
     """Before the base model: no cache, this rank's global positions, no packed sequences."""
     arguments = without_cache(module, args, kwargs, "Sequence parallelism (sp_size > 1)")
     tokens = arguments.get("input_ids")
@@ -518,7 +509,7 @@ def _padding(attention_mask: Tensor | None) -> Tensor | None:
     return attention_mask.to(torch.bool)
 
 
-def _labels(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
+def _labels(parallelism: AttentionSequenceParallel, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
     """Before a causal LM given labels: labels shifted over the whole sequence, the loss normalised over it."""
     arguments = arguments_by_name(module, args, kwargs)
     labels = arguments.get("labels")
@@ -548,7 +539,7 @@ def _labels(parallelism: SequenceParallelism, module: nn.Module, args: tuple[Any
     return (), arguments
 
 
-def _gather_tokens(tensor: Tensor, parallelism: SequenceParallelism) -> Tensor:
+def _gather_tokens(tensor: Tensor, parallelism: AttentionSequenceParallel) -> Tensor:
     """The whole sequences of a ``[batch, local, ...]`` tensor, in natural token order (not differentiable)."""
     dtype = tensor.dtype
     # gloo has no bool all-gather
@@ -558,7 +549,7 @@ def _gather_tokens(tensor: Tensor, parallelism: SequenceParallelism) -> Tensor:
     return whole.to(dtype)
 
 
-def _refuse_packed(position_ids: Tensor, parallelism: SequenceParallelism) -> None:
+def _refuse_packed(position_ids: Tensor, parallelism: AttentionSequenceParallel) -> None:
     whole = _gather_tokens(position_ids, parallelism)
     if bool((whole[:, 1:] - whole[:, :-1] != 1).any()):
         raise ValueError(
@@ -574,3 +565,37 @@ def _refuse_sinks(module: nn.Module, kwargs: dict[str, Any]) -> None:
             f"{type(module).__name__} has attention sinks (s_aux), which sequence parallelism does not carry: drop"
             " sp_size for this model."
         )
+
+
+# ------------------------------------------------------------------------------------------------ the modes
+def _ulysses_functions(parallelism: AttentionSequenceParallel, inner: str) -> tuple[Callable[..., Any], ...]:
+    return functools.partial(_ulysses_attention, parallelism, inner), functools.partial(
+        _ulysses_mask, parallelism, inner
+    )
+
+
+def _ring_functions(parallelism: AttentionSequenceParallel, inner: str) -> tuple[Callable[..., Any], ...]:
+    return functools.partial(_ring_attention, parallelism), functools.partial(_ring_mask, parallelism)
+
+
+@dataclass(frozen=True)
+class AttentionMode:
+    """How one mode runs through the attention interface.
+
+    Args:
+        registered_as: the stem of the registered implementation's name (``lightning_colossal_ulysses_0``, as
+            ``docs/hybrid.md`` shows it): the algorithm's name, which users see in ``config._attn_implementation``.
+        functions: the attention and mask functions to register, given the mode and the configured attention.
+        check: what the mode refuses of a model's config before anything is registered, or ``None``.
+    """
+
+    registered_as: str
+    functions: Callable[[AttentionSequenceParallel, str], tuple[Callable[..., Any], ...]]
+    check: Callable[[Any, ParallelContext, str], None] | None = None
+
+
+#: The modes that run through the attention interface, by type (``context.sequence``).
+ATTENTION_MODES: dict[type, AttentionMode] = {
+    AllToAll: AttentionMode("ulysses", _ulysses_functions, _check_heads),
+    Ring: AttentionMode("ring", _ring_functions),
+}

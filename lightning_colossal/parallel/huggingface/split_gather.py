@@ -195,7 +195,10 @@ def attach_split_gather(
         if id(parameter) not in split
     )
     plan.add_partial_gradients(final_norm.parameters())
-    if not isinstance(getattr(model, "lm_head", None), VocabParallelHead):
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelHead):
+        head.context = context  # gathers the sequence shards itself, inside its product
+    else:
         attached.after_forward(
             final_norm,
             "split-gather: gather the sequence for the whole head",
