@@ -156,6 +156,12 @@ class HeartbeatWatchdog:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> HeartbeatWatchdog:
+        # One run per process at a time: a watchdog an earlier run (another prefix) left running ends cleanly here (a
+        # Fabric loop is never torn down, and a notebook or a test worker lives on), or heartbeats would pile up, a
+        # thread and a store round each per interval.
+        for earlier in list(_running):
+            if earlier.prefix != self.prefix:
+                earlier.stop(clean=True)
         self._beat()
         self._thread.start()
         _running.add(self)

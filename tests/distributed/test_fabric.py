@@ -632,3 +632,15 @@ def teardown_body(strategy: str | tuple[str, dict[str, Any]]) -> dict[str, Any]:
 def test_teardown_by_hand_leaves_the_module_whole(rank_pool_2, strategy):
     for result in rank_pool_2.run(teardown_body, strategy):
         torch.testing.assert_close(result["after"], result["trained"], rtol=0, atol=0)
+
+
+def watchdog_threads_body() -> int:
+    import threading
+
+    for _ in range(3):  # three loops in one long-lived process (a notebook, this worker), none torn down
+        _fabric("colossal_zero2")
+    return sum(thread.name.startswith("lightning-colossal-watchdog-rank") for thread in threading.enumerate())
+
+
+def test_loops_that_are_never_torn_down_leave_one_watchdog_running(rank_pool_2):
+    assert rank_pool_2.run(watchdog_threads_body) == [1, 1]
