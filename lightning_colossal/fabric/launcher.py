@@ -16,6 +16,7 @@ OpenMP rule of the Trainer's launcher ([Note: OpenMP threads and fork] in ``stra
 
 from __future__ import annotations
 
+import atexit
 import io
 import sys
 from collections.abc import Callable
@@ -47,16 +48,32 @@ def reporting_failures(function: Callable[..., Any], strategy: ColossalFabricStr
     return run
 
 
-def install_failure_hook(strategy: ColossalFabricStrategy) -> None:
-    """Give an error that ends the script uncaught the notes of [Note: failures in a Fabric loop]."""
-    previous = sys.excepthook
+#: The Fabric strategy of this process's current run: the one the exception hook and the exit handler speak for.
+_current: list[ColossalFabricStrategy] = []
 
-    def hook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
-        if isinstance(error, Exception):
-            strategy.report_failure(error)
-        previous(kind, error, traceback)
 
-    sys.excepthook = hook
+def watch_this_process(strategy: ColossalFabricStrategy) -> None:
+    """Make ``strategy`` the one an error ending the script uncaught is reported through ([Note: failures in a Fabric
+    loop]), and whose watchdog stops cleanly at exit (Fabric never calls ``teardown()``). The hook and the exit
+    handler are installed once per process, however many loops it runs, and speak for the latest."""
+    if not _current:
+        previous = sys.excepthook
+
+        def hook(kind: type[BaseException], error: BaseException, traceback: TracebackType | None) -> None:
+            if isinstance(error, Exception) and _current:
+                _current[0].report_failure(error)
+            previous(kind, error, traceback)
+
+        sys.excepthook = hook
+        atexit.register(_stop_at_exit)
+    _current[:] = [strategy]
+
+
+def _stop_at_exit() -> None:
+    # A clean stop of the heartbeat, so peers still finishing read it as an exit (an earlier run's watchdog was ended
+    # when the later one started: distributed/watchdog.py).
+    if _current:
+        _current[0].mode._stop_watchdog(clean=True)
 
 
 class FabricScriptLauncher(_FabricSubprocessScriptLauncher):
@@ -95,4 +112,4 @@ def _serialised(function: Callable[..., Any]) -> Callable[..., bytes]:
     return run
 
 
-__all__ = ["FabricNotebookLauncher", "FabricScriptLauncher", "install_failure_hook", "reporting_failures"]
+__all__ = ["FabricNotebookLauncher", "FabricScriptLauncher", "reporting_failures", "watch_this_process"]

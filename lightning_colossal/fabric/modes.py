@@ -27,16 +27,16 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_colossal.distributed import collectives
 from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.fabric.strategy import ColossalFabricStrategy
-from lightning_colossal.fsdp import UnusedGradientTracker, include_unused_parameters_in_reduction
+from lightning_colossal.fsdp import include_unused_parameters_in_reduction
 from lightning_colossal.strategies._lightning_private import _optimizers_to_device
 from lightning_colossal.strategies.ddp import ColossalDDPStrategy
 from lightning_colossal.strategies.fsdp import ColossalFSDPStrategy
 from lightning_colossal.strategies.gemini import GeminiStrategy
 from lightning_colossal.strategies.hybrid import HybridParallelStrategy
 from lightning_colossal.strategies.hybrid_module import plain
+from lightning_colossal.strategies.optimizers import refuse_parameters_in_two_optimizers
 from lightning_colossal.strategies.zero import ZeroStrategy
 
 
@@ -64,7 +64,7 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
 
     mode: Any  # an EngineStrategy
     _load_hooks: list[Any] = []
-    _loading: Any = None
+    _loading: dict[str, Any] | None = None
 
     def _adopt_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self.mode.engines and not self.mode.takes_several_optimizers:
@@ -73,22 +73,13 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
                 " param group per setting, or use colossal_zero1 / colossal_zero2, which take one engine per"
                 " optimizer."
             )
-        self._refuse_shared_parameters(optimizer)
+        refuse_parameters_in_two_optimizers([*self.mode.optimizers, optimizer], type(self).__name__)
         engine = self.mode._build_engine(None, optimizer)
         self.mode._record_held_frozen([optimizer])
         self.mode.engines = [*self.mode.engines, engine]
         self.mode._fitted_engines = list(self.mode.engines)
         self.mode._wire_precision_plugin()
         return optimizer
-
-    def _refuse_shared_parameters(self, optimizer: Optimizer) -> None:
-        taken = {id(parameter) for earlier in self.mode.optimizers for parameter in _parameters(earlier)}
-        for parameter in _parameters(optimizer):
-            if parameter.requires_grad and id(parameter) in taken:
-                raise ValueError(
-                    f"A parameter of shape {tuple(parameter.shape)} is in two optimizers: {type(self).__name__} shards"
-                    " each optimizer's parameters separately, so a parameter must belong to one optimizer only."
-                )
 
     def before_backward(self, loss: Tensor) -> Tensor:
         if self.mode.engines:
@@ -104,19 +95,8 @@ class _EngineFabricStrategy(ColossalFabricStrategy):
         return optimizer
 
     def _install_load_hooks(self) -> None:
-        """[Note: weights loaded into a set-up model], once."""
-        if not self._load_hooks:
-            assert self._module is not None
-            self._load_hooks = [
-                self._module.register_load_state_dict_pre_hook(self._before_weights_load),
-                self._module.register_load_state_dict_post_hook(self._after_weights_load),
-            ]
-
-    def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """``model.load_state_dict(weights)`` after set-up ([Note: weights loaded into a set-up model])."""
-
-    def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
-        """See ``_before_weights_load``."""
+        """The hooks of [Note: weights loaded into a set-up model], once (into ``_load_hooks``)."""
+        raise NotImplementedError
 
     def teardown(self) -> None:
         for handle in self._load_hooks:
@@ -133,20 +113,33 @@ class FabricZeroStrategy(_EngineFabricStrategy):
     pretrained checkpoint that way). The engines keep another copy of the weights: ZeRO's fp32 masters (where the
     parameters are not fp32), Gemini's chunks (where the parameters are empty placeholders). Hooks on the module's
     ``load_state_dict`` keep them right: under ZeRO the masters take the loaded values (unrounded, from the weights
-    given) once the module has loaded them; under Gemini the engine takes the chunked parameters' rows from the
-    weights given, the module loads the rest, and the chunked names are not reported missing. Without them the first
-    step would undo the loaded weights (ZeRO) or the load would fail on the placeholders (Gemini).
+    given) once the module has loaded them; under Gemini every module that owns a chunked parameter hands its weights
+    to the engine (below any renaming a module does in its own ``_load_from_state_dict``), the module loads the rest,
+    and the chunked names are not reported missing. Without them the first step would undo the loaded weights (ZeRO)
+    or the load would fail on the placeholders (Gemini).
     """
 
     trainer_strategy = ZeroStrategy
 
+    def _install_load_hooks(self) -> None:
+        if not self._load_hooks:
+            assert self._module is not None
+            self._load_hooks = [
+                self._module.register_load_state_dict_pre_hook(self._before_weights_load),
+                self._module.register_load_state_dict_post_hook(self._after_weights_load),
+            ]
+
     def _before_weights_load(self, module: Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        self._loading = {name.removeprefix(prefix): _loaded(value) for name, value in state_dict.items()}
+        self._loading = {name.removeprefix(prefix): value for name, value in state_dict.items()}
 
     def _after_weights_load(self, module: Module, incompatible_keys: Any) -> None:
-        loaded, self._loading = self._loading, None
-        for engine in self.mode.engines:
-            engine.parameters_to_masters(full_weights=loaded)
+        loaded, self._loading = self._loading or {}, None
+        if any(engine.master_buffer is not None for engine in self.mode.engines):
+            # Separate masters take the given values unrounded; where the masters are the fp32 parameters, the
+            # module's own load already wrote them, and a lazily loaded file is not read a second time.
+            weights = {name: _loaded(value) for name, value in loaded.items()}
+            for engine in self.mode.engines:
+                engine.parameters_to_masters(full_weights=weights)
 
 
 class FabricGeminiStrategy(_EngineFabricStrategy):
@@ -271,8 +264,7 @@ class FabricFSDPStrategy(ColossalFabricStrategy):
     def _prepare_model(self, module: Module) -> Module:
         self.mode._roots = self.mode._shard(module)
         torch_reduces_unused = include_unused_parameters_in_reduction(self.mode._roots)
-        vote_group = collectives.host_group_like(None, self.mode._timeout) if self.world_size > 1 else None
-        self.mode._gradient_tracker = UnusedGradientTracker(module, torch_reduces_unused, vote_group=vote_group)
+        self.mode._gradient_tracker = self.mode._track_unused_gradients(module, torch_reduces_unused)
         return module
 
     def before_backward(self, loss: Tensor) -> Tensor:
@@ -385,10 +377,6 @@ def _loaded(value: Any) -> Any:
     litgpt loads its checkpoints with): the engines slice the values they are given."""
     load = getattr(value, "_load_tensor", None)
     return load() if callable(load) else value
-
-
-def _parameters(optimizer: Optimizer) -> list[Any]:
-    return [parameter for group in optimizer.param_groups for parameter in group["params"]]
 
 
 #: Every Fabric strategy class, in registration order.

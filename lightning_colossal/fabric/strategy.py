@@ -17,7 +17,6 @@ first is not reported as lost), and ``strategy.teardown()`` may be called by han
 
 from __future__ import annotations
 
-import atexit
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch.optim import Optimizer
 from lightning_colossal.distributed import group_cache
 from lightning_colossal.engine_parts.running_statistics import modules_with_running_statistics
 from lightning_colossal.fabric import checkpoints
-from lightning_colossal.fabric.launcher import FabricNotebookLauncher, FabricScriptLauncher, install_failure_hook
+from lightning_colossal.fabric.launcher import FabricNotebookLauncher, FabricScriptLauncher, watch_this_process
 from lightning_colossal.fabric.precision import FabricPrecision, to_fabric_precision
 from lightning_colossal.precision import LocalGradientClipper
 from lightning_colossal.strategies._lightning_private import _BackwardSyncControl
@@ -77,7 +76,6 @@ class ColossalFabricStrategy(ParallelStrategy):
         self._wrapped: Module | None = None  # what Fabric calls forward on
         self._names_before_setup: dict[int, str] = {}
         self._backward_sync_control = _SkipGradientSync(self)
-        self._stops_at_exit = False
 
     # ---------------------------------------------------------------------------------------------- what the mode holds
     @property
@@ -164,10 +162,7 @@ class ColossalFabricStrategy(ParallelStrategy):
         plugin.process_group = None  # every rank takes part in the overflow vote
         if self.mode._on_nonfinite is not None:
             plugin.on_nonfinite = self.mode._on_nonfinite
-        if not self._stops_at_exit:
-            atexit.register(self._stop_at_exit)
-            install_failure_hook(self)  # fabric/launcher.py [Note: failures in a Fabric loop]
-            self._stops_at_exit = True
+        watch_this_process(self)  # fabric/launcher.py [Note: failures in a Fabric loop]
 
     def report_failure(self, error: Exception) -> None:
         """Add to ``error`` where it left this rank's run, and the watchdog's word on a peer that stopped, once
@@ -177,10 +172,6 @@ class ColossalFabricStrategy(ParallelStrategy):
         error._lightning_colossal_reported = True  # type: ignore[attr-defined]
         group_cache.run_ended(cleanly=False)
         self.mode._annotate_failure(error)
-
-    def _stop_at_exit(self) -> None:
-        # Fabric never calls teardown(): stop the heartbeat cleanly, so peers still finishing read it as an exit.
-        self.mode._stop_watchdog(clean=True)
 
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         return self.mode.reduce(tensor, group=group, reduce_op=reduce_op)

@@ -133,12 +133,13 @@ class ColossalFSDPStrategy(ColossalStrategy):
         if fitting:
             # After sharding: the optimizer must hold the DTensor parameters FSDP2 installed.
             self.setup_optimizers(trainer)
-            self._gradient_tracker = UnusedGradientTracker(
-                self.lightning_module,
-                torch_reduces_unused,
-                vote_group=collectives.host_group_like(None, self._timeout) if self.world_size > 1 else None,
-            )
+            self._gradient_tracker = self._track_unused_gradients(self.lightning_module, torch_reduces_unused)
         self.setup_precision_plugin()
+
+    def _track_unused_gradients(self, module: torch.nn.Module, torch_reduces_unused: bool) -> UnusedGradientTracker:
+        """lightning_colossal.fsdp.gradients [Note: gradients nobody produced, under FSDP2], voting on the host."""
+        vote_group = collectives.host_group_like(None, self._timeout) if self.world_size > 1 else None
+        return UnusedGradientTracker(module, torch_reduces_unused, vote_group=vote_group)
 
     def model_to_device(self) -> None:
         # Meta parameters (built for a model larger than one rank) are materialised after sharding, not moved.

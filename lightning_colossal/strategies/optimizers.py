@@ -18,6 +18,24 @@ def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def refuse_parameters_in_two_optimizers(optimizers: list[Optimizer], strategy_name: str) -> None:
+    """Refuse a trainable parameter held by two of ``optimizers``: one engine per optimizer would each shard it."""
+    owner: dict[int, int] = {}
+    for index, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for parameter in group["params"]:
+                if not parameter.requires_grad:
+                    continue  # frozen: no engine takes it (optimizer_takeover.py [Note: optimizer takeover])
+                first = owner.setdefault(id(parameter), index)
+                if first != index:
+                    raise ValueError(
+                        f"A parameter of shape {tuple(parameter.shape)} is in optimizer {first} and in optimizer"
+                        f" {index}: {strategy_name} shards each optimizer's parameters separately, so a parameter"
+                        " must belong to one optimizer only. Give each parameter to one optimizer (one param group per"
+                        " setting within it)."
+                    )
+
+
 class OptimizerSetupMixin(ParallelStrategy):
     """Set-up steps on optimizers that several modes share (see the module docstring)."""
 
@@ -30,20 +48,7 @@ class OptimizerSetupMixin(ParallelStrategy):
         """
         self.setup_optimizers(trainer)
         optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
-        owner: dict[int, int] = {}
-        for index, optimizer in enumerate(optimizers):
-            for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    if not parameter.requires_grad:
-                        continue  # frozen: no engine takes it (optimizer_takeover.py [Note: optimizer takeover])
-                    first = owner.setdefault(id(parameter), index)
-                    if first != index:
-                        raise ValueError(
-                            f"A parameter of shape {tuple(parameter.shape)} is in optimizer {first} and in optimizer"
-                            f" {index}: {type(self).__name__} shards each optimizer's parameters separately, so a"
-                            " parameter must belong to one optimizer only. Give each parameter to one optimizer (one"
-                            " param group per setting within it)."
-                        )
+        refuse_parameters_in_two_optimizers(optimizers, type(self).__name__)
         return optimizers
 
     def _setup_single_optimizer(self, trainer: Any, manual_reason: str, manual_alternatives: str) -> Optimizer:
